@@ -1,0 +1,151 @@
+"""The ``lmtier`` command line.
+
+Each subcommand is a small function taking parsed arguments and returning an exit
+code; ``main`` builds the parser and maps lmtier's own errors to a one-line
+message and exit status 2, so users never see a traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from lmtier.config import LMTierConfig, load_config
+from lmtier.errors import InvalidTokensError, LMTierError
+from lmtier.keys import Namespace, make_hasher
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+SAMPLE_TOKENS = 1000
+"""Length of the built-in ``--sample`` prompt: three full 256-token chunks and a tail."""
+
+
+def _read_token_ids(stream: TextIO, source: str) -> list[int]:
+    ids: list[int] = []
+    for line_number, line in enumerate(stream, start=1):
+        for word in line.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise InvalidTokensError(
+                    f"{source}:{line_number}: {word!r} is not an integer token id"
+                ) from None
+    return ids
+
+
+def _sample_token_ids() -> list[int]:
+    # A fixed pseudo-random prompt: the same keys print on every machine.
+    rng = np.random.default_rng(2026)
+    ids: list[int] = rng.integers(0, 32_000, size=SAMPLE_TOKENS).tolist()
+    return ids
+
+
+def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
+    if args.sample:
+        ids = _sample_token_ids()
+    elif args.file in (None, "-"):
+        ids = _read_token_ids(sys.stdin, "<stdin>")
+    else:
+        path = Path(args.file)
+        try:
+            with path.open(encoding="utf-8") as stream:
+                ids = _read_token_ids(stream, str(path))
+        except OSError as exc:
+            raise InvalidTokensError(f"cannot read token ids from {path}: {exc.strerror}") from exc
+    namespace = Namespace(
+        model_id=args.model_id if args.model_id is not None else config.model_id,
+        model_revision=(
+            args.model_revision if args.model_revision is not None else config.model_revision
+        ),
+        chunk_size=args.chunk_size if args.chunk_size is not None else config.chunk_size,
+        cache_salt=args.cache_salt or "",
+    )
+    algorithm = args.hash or config.hash_algorithm
+    hasher = make_hasher(namespace, algorithm=algorithm, vocab_size=args.vocab_size)
+    keys = hasher.extend(ids)
+    out = sys.stdout
+    for key in keys:
+        out.write(key.hex() + "\n")
+    tail = len(ids) - len(keys) * namespace.chunk_size
+    logging.getLogger("lmtier.cli").info(
+        "%d tokens, %d full chunks of %d, %d tail tokens not keyed (%s)",
+        len(ids),
+        len(keys),
+        namespace.chunk_size,
+        tail,
+        algorithm,
+    )
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmtier",
+        description="lmtier: a multi-tier KV cache for LLM inference.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="YAML config file (default: $LMTIER_CONFIG; LMTIER_* variables override it)",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    keys = commands.add_parser(
+        "keys",
+        help="print the chunk keys of a token sequence",
+        description=(
+            "Read whitespace-separated token ids and print one hex key per full chunk "
+            "(a partial tail gets no key). Keys are equal across processes and machines "
+            "for the same tokens, model, chunk size and cache salt."
+        ),
+        epilog="example: echo 1 2 3 ... | lmtier keys --chunk-size 16 --model-id llama-3-8b",
+    )
+    source = keys.add_mutually_exclusive_group()
+    source.add_argument("file", nargs="?", help="file of token ids (default: stdin; '-' = stdin)")
+    source.add_argument(
+        "--sample",
+        action="store_true",
+        help=f"hash a built-in {SAMPLE_TOKENS}-token sample prompt instead of reading input",
+    )
+    keys.add_argument("--chunk-size", type=int, help="tokens per chunk (default: config, 256)")
+    keys.add_argument("--model-id", help="model id of the namespace (default: config)")
+    keys.add_argument("--model-revision", help="model revision / weights fingerprint")
+    keys.add_argument("--cache-salt", help="tenant salt: keys differ for every salt")
+    keys.add_argument(
+        "--hash",
+        choices=["xxh3", "vllm"],
+        help="xxh3: chained xxh3-128 (default); vllm: keys from vLLM's sha256_cbor block hashes",
+    )
+    keys.add_argument("--vocab-size", type=int, help="reject token ids >= this")
+    keys.set_defaults(handler=_cmd_keys)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lmtier`` command; returns the process exit code."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+        code: int = args.handler(args, config)
+    except LMTierError as exc:
+        print(f"lmtier {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # `lmtier keys | head` closes the pipe early; that is not an error.
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

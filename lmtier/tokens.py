@@ -1,0 +1,116 @@
+"""Token ids in, one validated little-endian integer array out.
+
+Keys must be equal across processes, machines and input types, so every token
+sequence is first turned into the same canonical form: a 1-D numpy ``int64`` array
+of non-negative ids. Python lists, tuples, numpy arrays and torch tensors (CPU or
+CUDA) are accepted; anything that would make two equal prompts hash differently
+(floats, bools, negative ids, ids beyond the vocabulary) is rejected with
+:class:`~lmtier.errors.InvalidTokensError` instead of being coerced silently.
+
+torch is not imported here: a tensor is recognised by its type and converted
+through its own ``.cpu().numpy()``, so this module stays usable in processes that
+never load torch (storage backends, the CLI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from lmtier.errors import InvalidTokensError
+
+__all__ = ["INT32_LIMIT", "MAX_TOKEN_ID", "TokenArray", "TokenInput", "as_token_array"]
+
+TokenArray: TypeAlias = npt.NDArray[np.int64]
+"""A 1-D, C-contiguous int64 array of validated token ids."""
+
+TokenInput: TypeAlias = "Sequence[int] | npt.NDArray[Any] | Any"
+"""What callers may pass: a sequence of ints, a numpy array, or a torch tensor."""
+
+MAX_TOKEN_ID = 2**63 - 1
+"""Largest id representable in the int64 wire encoding."""
+
+INT32_LIMIT = 2**31
+"""Ids below this are hashed as 4-byte integers; a chunk holding a larger one uses 8."""
+
+
+def as_token_array(tokens: TokenInput, *, vocab_size: int | None = None) -> TokenArray:
+    """Validate ``tokens`` and return them as a 1-D C-contiguous int64 numpy array.
+
+    Raises InvalidTokensError for a non-1-D input, a non-integer dtype (floats and
+    bools included), a negative id, an id >= ``vocab_size`` when one is given, or an
+    id that does not fit in int64.
+    """
+    array = _to_numpy(tokens)
+    if array.ndim != 1:
+        raise InvalidTokensError(f"token ids must be 1-D, got shape {tuple(array.shape)}")
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
+    kind = array.dtype.kind
+    if kind not in "iu":
+        raise InvalidTokensError(
+            f"token ids must be integers, got dtype {array.dtype} "
+            "(floats and bools are rejected rather than truncated)"
+        )
+    if kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > MAX_TOKEN_ID:
+        raise InvalidTokensError(f"token id {int(array.max())} does not fit in int64")
+    result = np.ascontiguousarray(array, dtype=np.int64)
+    low = int(result.min())
+    if low < 0:
+        position = int(np.argmin(result))
+        raise InvalidTokensError(f"token ids must be >= 0, got {low} at position {position}")
+    if vocab_size is not None:
+        high = int(result.max())
+        if high >= vocab_size:
+            position = int(np.argmax(result))
+            raise InvalidTokensError(
+                f"token id {high} at position {position} is out of range for "
+                f"vocab_size {vocab_size}"
+            )
+    return result
+
+
+def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    if _is_torch_tensor(tokens):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == _torch_bool():
+            raise InvalidTokensError(f"token ids must be integers, got torch dtype {tokens.dtype}")
+        # A CUDA tensor is copied to the host once; hashing needs host bytes anyway.
+        return tokens.detach().cpu().numpy()  # type: ignore[no-any-return]
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        raise InvalidTokensError(
+            f"token ids must be a sequence of ints, not {type(tokens).__name__}"
+        )
+    if not isinstance(tokens, Sequence):
+        raise InvalidTokensError(
+            f"token ids must be a list, tuple, numpy array or torch tensor, "
+            f"not {type(tokens).__name__}"
+        )
+    if len(tokens) == 0:
+        return np.empty(0, dtype=np.int64)
+    try:
+        # np.array builds int64 straight from Python ints; floats, bools and mixed
+        # inputs come out with another dtype and are rejected by the caller.
+        array = np.array(tokens)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise InvalidTokensError(f"token ids are not a flat sequence of integers: {exc}") from exc
+    if array.dtype == object:
+        raise InvalidTokensError(
+            f"token ids are not all integers that fit in int64 (first element: {tokens[0]!r})"
+        )
+    return array
+
+
+def _is_torch_tensor(value: object) -> bool:
+    module = type(value).__module__
+    return module.startswith("torch") and hasattr(value, "is_floating_point")
+
+
+def _torch_bool() -> object:
+    import torch  # noqa: PLC0415 - only reached when a tensor was passed, so torch is loaded
+
+    return torch.bool
