@@ -1,0 +1,393 @@
+"""The local-disk tier: one file per chunk, holding the chunk format's bytes unchanged.
+
+Layout::
+
+    <path>/v1/<k[:2]>/<k>.lmtc      k = the key's 32 hex digits; 256 shard directories
+    <path>/v1/tmp/                  temp files of writes in flight
+
+Atomicity: a write goes to a temp file in ``tmp/`` (same filesystem), is fdatasynced
+when ``fsync`` is on, then ``os.replace``-d into place. A reader opens either the old
+file or the new one, never a partial file; a crash leaves at most temp files, deleted
+at the next open, or loses the newest renames (the shard directory is not fsynced:
+for a cache that is a miss, and it would cost ~15% of write throughput).
+
+Index: in memory, key -> file size in LRU order (:mod:`lmtier_backends.disk_index`).
+It is rebuilt at open from directory listings only: file names are the keys, ``stat``
+gives size and mtime. No header is read at start-up because none is needed: every
+read is validated anyway (``Tier.get_into``), so a corrupt file is found, counted and
+deleted the first time it is asked for, and start-up stays a listing of names. Files
+are ordered by mtime, and every hit bumps the mtime (``os.utime`` on the open fd, in
+the same worker hop as the read), so LRU order survives a restart.
+
+Eviction: capacity counts file sizes on disk. Before a write starts, least recently
+used files are evicted (and unlinked) until it fits; a chunk larger than the whole
+capacity is refused and counted as an error.
+
+O_DIRECT (``o_direct=True``): probed once at open by writing a page; a filesystem
+that refuses it (EINVAL on tmpfs) falls back to buffered I/O with one warning. Files
+keep the chunk's exact bytes, unpadded: the 4096-multiple body moves with O_DIRECT
+and a tail of under 4096 bytes through the page cache, so sizes returned by reads
+are exact and the same file reads the same with or without O_DIRECT. Unaligned
+sources go through a per-thread page-aligned bounce buffer; unaligned read buffers
+get a buffered read for that call (:mod:`lmtier_backends.disk_io`).
+
+Failures: any OSError is a miss (reads) or a chunk not stored (writes), counted in
+``stats.errors`` and logged at WARNING once per errno, never raised; a failed write
+removes its temp file and is not indexed. A file deleted behind our back is a miss
+and leaves the index. Only using a tier that is not open raises (BackendUnavailable).
+
+All file I/O runs in one thread pool of ``io_threads``; each job does a whole
+open/read-or-write/close in one hop (measured faster than aiofiles, which pays one
+executor hop per call: see benchmarks/bench_disk.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lmtier.config import DiskTierConfig
+from lmtier.errors import BackendUnavailable
+from lmtier.keys import ChunkKey
+from lmtier.stats import TierStats
+from lmtier.tier import Buffer, Tier, TierProperties
+from lmtier_backends.disk_index import CHUNK_SUFFIX, DiskIndex, scan_chunk_dir
+from lmtier_backends.disk_io import probe_direct, read_file, unlink_all, write_file
+
+__all__ = ["DiskTier", "open_tier"]
+
+logger = logging.getLogger(__name__)
+
+
+class DiskTier(Tier):
+    """Chunks as files under ``path``, LRU-evicted beyond ``capacity_bytes``.
+
+    Build it with :meth:`open` (or :func:`open_tier` from a config): the constructor
+    only stores its arguments, without I/O or threads. See the module docstring.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: bool = True,
+        o_direct: bool = False,
+        io_threads: int = 4,
+        name: str = "disk",
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.name = name
+        self.properties = TierProperties(persistent=True, shared=False)
+        self.stats = TierStats()
+        self.root = os.path.join(os.fspath(path), "v1")
+        self._temp_dir = os.path.join(self.root, "tmp")
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self.direct_io = False
+        """Whether O_DIRECT is in use: requested and supported by the filesystem."""
+        self.io_threads = io_threads
+        self.foreign_files = 0
+        """Entries under ``path`` found at open that are not ours (left alone)."""
+        self._index = DiskIndex(capacity_bytes)
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._writes: set[asyncio.Task[int]] = set()
+        self._unlinks: dict[ChunkKey, asyncio.Future[list[OSError]]] = {}
+        self._landed_watch: dict[int, set[ChunkKey]] = {}  # per read call in flight
+        self._temp_ids = itertools.count()
+        self._warned: set[object] = set()
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: bool = True,
+        o_direct: bool = False,
+        io_threads: int = 4,
+        name: str = "disk",
+    ) -> DiskTier:
+        """Create the directories, delete crash debris, rebuild the index, start the pool."""
+        tier = cls(
+            path, capacity_bytes, fsync=fsync, o_direct=o_direct, io_threads=io_threads, name=name
+        )
+        await tier._start()
+        return tier
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"lmtier-{self.name}")
+        try:
+            scan = await loop.run_in_executor(pool, scan_chunk_dir, self.root)
+            if self.o_direct:
+                problem = await loop.run_in_executor(pool, probe_direct, self._temp_dir)
+                self.direct_io = problem is None
+                if problem is not None:
+                    logger.warning("%s: no O_DIRECT here (%s); buffered I/O", self.name, problem)
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        self._pool = pool
+        self._index.load(scan.entries)
+        self.foreign_files = len(scan.foreign)
+        if scan.foreign:
+            msg = "%s: %d foreign file(s) left alone, not indexed, e.g. %s"
+            logger.warning(msg, self.name, len(scan.foreign), scan.foreign[0])
+        msg = "%s: %d chunk(s) of %d bytes in %s; %d temp file(s) removed"
+        logger.info(
+            msg, self.name, len(self._index), self.used_bytes, self.root, scan.removed_temps
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of chunk files counted against capacity (including writes in flight)."""
+        return self._index.used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path_of(self, key: ChunkKey) -> str:
+        """The file that holds (or would hold) chunk ``key``."""
+        name = key.hex()
+        return f"{self.root}/{name[:2]}/{name}{CHUNK_SUFFIX}"
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        return self.contains_now(keys)
+
+    def contains_now(self, keys: Sequence[ChunkKey]) -> int:
+        # The index is in memory: any thread may ask (dict membership is atomic).
+        start = time.perf_counter()
+        self.stats.lookups += len(keys)
+        found = self._index.leading(keys) if self._pool is not None else 0
+        self.stats.lookup_latency.record(time.perf_counter() - start)
+        return found
+
+    async def _read_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        pool = self._require_pool()
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        sizes: list[int | None] = [None] * len(keys)
+        wanted = [i for i, key in enumerate(keys) if key in self._index]
+        jobs = [
+            loop.run_in_executor(
+                pool, read_file, self.path_of(keys[i]), buffers[i].cast("B"), self.direct_io
+            )
+            for i in wanted
+        ]
+        # Keys whose new file lands while we read: an ENOENT seen before it landed
+        # must not drop the new entry from the index.
+        landed: set[ChunkKey] = set()
+        self._landed_watch[id(landed)] = landed
+        try:
+            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        finally:
+            del self._landed_watch[id(landed)]
+        bug: BaseException | None = None
+        for i, outcome in zip(wanted, outcomes, strict=True):
+            if isinstance(outcome, FileNotFoundError):  # deleted behind our back
+                if keys[i] not in landed:
+                    self._index.remove(keys[i])
+            elif isinstance(outcome, OSError):
+                self._count_error("read", outcome)
+            elif isinstance(outcome, BaseException):
+                bug = bug or outcome
+            else:
+                sizes[i] = outcome
+                if outcome is not None:
+                    self._index.touch(keys[i])
+        self.stats.read_latency.record(time.perf_counter() - start)
+        if bug is not None:
+            raise bug
+        return sizes
+
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
+        start = time.perf_counter()
+        waiting = self._admit(items)
+        stored = 0
+        while waiting:
+            pool = self._require_pool()
+            writes, victims, waiting = self._reserve(waiting)
+            if not writes:
+                # In-flight writes hold the room we need; they always finish, and what
+                # they leave becomes evictable. Back-pressure, not a drop: dropping is
+                # the StorageManager's decision (its queues), not the tier's.
+                if not self._writes:
+                    raise RuntimeError("bug: no room for a put, yet no write in flight")
+                await asyncio.wait(self._writes, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            # Shielded: if the caller is cancelled, the writes still land (or fail) and
+            # are indexed (or released); close() waits for them.
+            task = asyncio.ensure_future(self._write(pool, writes, victims))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+            stored += await asyncio.shield(task)
+        self.stats.write_latency.record(time.perf_counter() - start)
+        return stored
+
+    def _admit(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[tuple[ChunkKey, memoryview]]:
+        """The items worth writing, oldest first: the last of each key, none too large.
+
+        A batch larger than the capacity keeps its newest chunks, as if written one by
+        one under LRU; the older ones count as evicted.
+        """
+        latest = {key: memoryview(data).cast("B") for key, data in items}
+        budget = self.capacity_bytes
+        admitted: list[tuple[ChunkKey, memoryview]] = []
+        for key, view in reversed(latest.items()):
+            if len(view) > self.capacity_bytes:
+                self.stats.errors += 1
+                msg = "%s: %d-byte chunk exceeds capacity %d; refused"
+                self._warn_once("too-large", msg, self.name, len(view), self.capacity_bytes)
+            elif len(view) > budget:
+                self.stats.evictions += 1
+            else:
+                budget -= len(view)
+                admitted.append((key, view))
+        admitted.reverse()
+        return admitted
+
+    def _reserve(
+        self, items: list[tuple[ChunkKey, memoryview]]
+    ) -> tuple[
+        list[tuple[ChunkKey, memoryview, int]],
+        list[tuple[ChunkKey, int]],
+        list[tuple[ChunkKey, memoryview]],
+    ]:
+        """Reserve room for a prefix of ``items``, evicting LRU files.
+
+        Returns (writes, evicted files, items left waiting for writes in flight).
+        """
+        writes: list[tuple[ChunkKey, memoryview, int]] = []
+        victims: list[tuple[ChunkKey, int]] = []
+        for done, (key, view) in enumerate(items):
+            evicted = self._index.reserve(key, len(view))
+            if evicted is None:
+                return writes, victims, items[done:]
+            self.stats.evictions += len(evicted)
+            victims += evicted
+            writes.append((key, view, len(view)))
+        return writes, victims, []
+
+    async def _write(
+        self,
+        pool: ThreadPoolExecutor,
+        writes: list[tuple[ChunkKey, memoryview, int]],
+        victims: list[tuple[ChunkKey, int]],
+    ) -> int:
+        loop = asyncio.get_running_loop()
+        if victims:  # unlinked before any write starts, so disk usage stays within capacity
+            await self._unlink(pool, [key for key, _ in victims])
+        # A file of the same key still being unlinked (evicted or deleted by another
+        # call) must be gone before our rename, or the unlink would take the new file.
+        pending = {id(f): f for key, _, _ in writes if (f := self._unlinks.get(key))}
+        if pending:
+            await asyncio.wait(pending.values())
+        jobs = [
+            loop.run_in_executor(
+                pool,
+                write_file,
+                self.path_of(key),
+                f"{self._temp_dir}/{key.hex()}.{next(self._temp_ids)}.tmp",
+                view,
+                self.direct_io,
+                self.fsync,
+            )
+            for key, view, _ in writes
+        ]
+        outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        stored = 0
+        bug: BaseException | None = None
+        for (key, view, size), outcome in zip(writes, outcomes, strict=True):
+            if outcome is None:
+                self._index.commit(key, size)
+                for watch in self._landed_watch.values():
+                    watch.add(key)
+                stored += 1
+                self.stats.bytes_written += len(view)
+                continue
+            self._index.abort(key, size)
+            if isinstance(outcome, OSError):
+                self._count_error("write", outcome)
+            else:
+                bug = bug or outcome
+        self.stats.puts += stored
+        if bug is not None:
+            raise bug
+        return stored
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        # A write of the same key already in flight may land before or after the
+        # unlink; if before, the index keeps an entry without a file, which the next
+        # read drops (a miss, never wrong bytes).
+        pool = self._require_pool()
+        removed = [key for key in dict.fromkeys(keys) if self._index.remove(key) is not None]
+        if removed:
+            await self._unlink(pool, removed)
+        return len(removed)
+
+    async def _unlink(self, pool: ThreadPoolExecutor, keys: list[ChunkKey]) -> None:
+        """Unlink the files of keys already removed from the index, in one worker hop."""
+        future = asyncio.get_running_loop().run_in_executor(
+            pool, unlink_all, [self.path_of(key) for key in keys]
+        )
+        for key in keys:
+            self._unlinks[key] = future
+        try:
+            failures = await asyncio.shield(future)
+        finally:
+            for key in keys:
+                if self._unlinks.get(key) is future:
+                    del self._unlinks[key]
+        for exc in failures:
+            self._count_error("unlink", exc)
+
+    async def close(self) -> None:
+        """Wait for writes in flight, then stop the thread pool. Idempotent."""
+        pool, self._pool = self._pool, None
+        self._closed = True
+        if pool is None:
+            return
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+        await asyncio.to_thread(pool.shutdown, wait=True)
+
+    def _require_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            state = "closed" if self._closed else "not open (use DiskTier.open)"
+            raise BackendUnavailable(f"disk tier {self.name!r} at {self.root} is {state}")
+        return self._pool
+
+    def _count_error(self, op: str, exc: OSError) -> None:
+        self.stats.errors += 1
+        msg = "%s: %s failed: %s (errno %s: counted in stats.errors, not logged again)"
+        self._warn_once((op, exc.errno), msg, self.name, op, exc, exc.errno)
+
+    def _warn_once(self, tag: object, msg: str, *args: Any) -> None:
+        level = logging.DEBUG if tag in self._warned else logging.WARNING
+        self._warned.add(tag)
+        logger.log(level, msg, *args)
+
+
+async def open_tier(config: DiskTierConfig) -> DiskTier:
+    """Entry point ``lmtier.backends: disk``: open the disk tier ``config`` describes."""
+    return await DiskTier.open(
+        config.path,
+        config.capacity_bytes,
+        fsync=config.fsync,
+        o_direct=config.o_direct,
+        io_threads=config.io_threads,
+    )

@@ -1,0 +1,158 @@
+"""The tier interface: an async, batch-first store of encoded chunks (bytes only).
+
+Every storage tier (host memory, disk, Redis, S3) implements :class:`Tier`. The
+interface is modelled on a remote store, because that is the expensive case: every
+call takes many keys so a backend can answer in one round trip, ``contains`` answers
+how many *leading* keys are present (a lookup stops at the first miss anyway), and
+``get_into`` reads into buffers the caller owns (pool slabs), so there is exactly one
+copy from the medium into memory.
+
+Failures come in two kinds. A problem with one chunk (absent, vanished, unreadable
+file) is a miss: None or a shorter prefix. A problem with the tier itself (refused
+connection, timeout, server down) raises :class:`~lmtier.errors.BackendError` (or
+simply takes too long): the StorageManager counts it, feeds the tier's circuit
+breaker, and answers the request with a miss. The interface is for the manager;
+engine code never sees either kind.
+
+Tiers move the chunk format's bytes unchanged and never touch torch. Validation is
+shared, not per backend: :meth:`Tier.get_into` calls the backend's ``_read_into``,
+then decodes every chunk (magic, version, header and payload checksums, and that the
+chunk is the one asked for); a chunk that fails is counted, deleted, and reported as
+a miss. Backends translate their own exceptions (OSError, redis, botocore) at their
+edge, into misses for one chunk or BackendError for the whole tier.
+
+What makes tiers behave differently lives in :class:`TierProperties`, so the
+StorageManager never branches on a tier's name or class.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from lmtier.chunk_format import decode
+from lmtier.errors import CorruptChunk
+from lmtier.keys import ChunkKey
+from lmtier.stats import TierStats
+
+__all__ = ["Buffer", "Tier", "TierProperties", "WritePolicy", "validate_chunk"]
+
+logger = logging.getLogger(__name__)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+"""Encoded chunk bytes handed to ``put``."""
+
+WritePolicy = Literal["write_through", "write_back"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierProperties:
+    """Declared behaviour of a tier, read by the StorageManager instead of its type.
+
+    ``persistent``: survives a restart of this process. ``shared``: other processes
+    or machines see its chunks. ``write_policy``: ``write_through`` receives every
+    new chunk in the background; ``write_back`` receives a chunk only when the
+    memory tier evicts it. ``queue_depth``: chunks that may wait for a background
+    write before new ones are dropped (and counted) rather than blocking inference.
+    ``verify_reads``: validate every chunk read (checksums); only a tier holding
+    memory this process wrote and validated on entry may turn it off.
+    ``timeout_s``: how long one call may take before it counts as a failure (None:
+    the StorageManager's default).
+    """
+
+    persistent: bool
+    shared: bool
+    write_policy: WritePolicy = "write_through"
+    queue_depth: int = 256
+    verify_reads: bool = True
+    timeout_s: float | None = None
+
+
+def validate_chunk(key: ChunkKey, data: memoryview) -> bool:
+    """True when ``data`` decodes, its checksums hold, and it is the chunk ``key``."""
+    try:
+        chunk = decode(data, verify=True)
+    except CorruptChunk as exc:
+        logger.debug("chunk %s failed validation: %s", key.hex(), exc)
+        return False
+    if chunk.meta.key != key:
+        logger.debug("chunk %s holds key %s", key.hex(), chunk.meta.key.hex())
+        return False
+    return True
+
+
+class Tier(ABC):
+    """An async, batch-first store of encoded chunks. See the module docstring."""
+
+    name: str
+    properties: TierProperties
+    stats: TierStats
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, this tier holds (stops at the first miss).
+
+        Raises BackendError when the tier itself cannot answer (see module docstring).
+        """
+
+    def contains_now(self, keys: Sequence[ChunkKey]) -> int | None:
+        """``contains`` answered from in-process state, without I/O, from any thread.
+
+        Tiers with an in-memory index (CPU, disk) answer here, so a lookup that only
+        touches them costs no hop to the event loop; None (the default) means "ask me
+        asynchronously". Must not block and must tolerate concurrent mutation by the
+        loop thread (plain dict membership tests do, under the GIL).
+        """
+        return None
+
+    async def get_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Read each chunk into its buffer; the encoded length per key, or None for a miss.
+
+        Chunks are validated here, once for every backend: a corrupt, truncated or
+        misplaced chunk is deleted, counted in ``stats.corrupt`` and returned as None.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        sizes = await self._read_into(keys, buffers)
+        corrupt: list[ChunkKey] = []
+        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            if size is None or not self.properties.verify_reads:
+                continue
+            if not validate_chunk(key, buffers[index][:size]):
+                corrupt.append(key)
+                sizes[index] = None
+        if corrupt:
+            self.stats.corrupt += len(corrupt)
+            logger.warning("%s: %d corrupt chunk(s) deleted", self.name, len(corrupt))
+            await self.delete(corrupt)
+        hits = sum(size is not None for size in sizes)
+        self.stats.hits += hits
+        self.stats.misses += len(keys) - hits
+        self.stats.bytes_read += sum(size for size in sizes if size is not None)
+        return sizes
+
+    @abstractmethod
+    async def _read_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Backend read: raw bytes of each chunk into its buffer, or None (absent, failed,
+        or larger than the buffer). Validation and hit/miss counting are the caller's."""
+
+    @abstractmethod
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
+        """Store encoded chunks (atomically each: a reader sees all of a chunk or none).
+
+        Returns how many were stored; failures are counted, never raised.
+        """
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove chunks; returns how many were present."""
+
+    async def close(self) -> None:  # noqa: B027 - a no-op is the right default
+        """Release connections, threads and files. Idempotent."""
