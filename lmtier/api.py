@@ -258,7 +258,6 @@ class LMTier:
                 f"{len(keys) * self.chunk_size}"
             )
         present = self._lookup(keys).num_chunks
-        namespace = self.namespace(cache_salt)
         stored = 0
         for first in range(present, len(keys), STORE_BATCH):
             batch = range(first, min(first + STORE_BATCH, len(keys)))
@@ -266,7 +265,7 @@ class LMTier:
             encoded: list[tuple[ChunkKey, SlabHandle, int]] = []
             try:
                 for index, handle in zip(batch, handles, strict=False):
-                    meta = self.kv_spec.meta(keys[index], namespace, self.chunk_size)
+                    meta = self.kv_spec.meta(keys[index], self.chunk_size)
                     part = kv.narrow(axis, index * self.chunk_size, self.chunk_size)
                     encoded.append((keys[index], handle, encode_kv_into(handle, meta, part)))
             except BaseException:

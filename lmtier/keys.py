@@ -13,7 +13,12 @@ tier on any machine stands for exactly one prefix under one namespace::
 chunk* (8 only when one of its ids needs it), so a chunk's key never depends on
 tokens after it. ``extra[i]`` (LoRA adapter, multimodal items overlapping the chunk)
 is a msgpack array, omitted when empty; the token part has a fixed length for a
-given width, so the concatenation is unambiguous. Keys keep all 128 bits.
+given width, so the concatenation is unambiguous. Hashes keep all 128 bits.
+
+A :data:`ChunkKey` is 32 bytes: the namespace digest, then ``k[i]``. The chain alone
+identifies a chunk; the namespace half lets tiers group chunks by namespace (a
+directory, a Redis key or S3 prefix per model revision and tenant), so one model's or
+one tenant's cache can be listed, expired or deleted without touching the rest.
 
 Everything that makes KV differ for equal tokens is in the namespace digest, so a
 new model revision, dtype, layout, TP rank or tenant (``cache_salt``) matches no
@@ -39,6 +44,8 @@ from lmtier.errors import ConfigError
 from lmtier.tokens import INT32_LIMIT, TokenArray, TokenInput, as_token_array
 
 __all__ = [
+    "KEY_BYTES",
+    "NAMESPACE_BYTES",
     "ChunkHasher",
     "ChunkKey",
     "ExtraKeys",
@@ -48,10 +55,21 @@ __all__ = [
     "Xxh3ChunkHasher",
     "chunk_keys",
     "make_hasher",
+    "split_key",
 ]
 
 ChunkKey = NewType("ChunkKey", bytes)
-"""The 16-byte key of one chunk; ``.hex()`` is its printable form."""
+"""The 32-byte key of one chunk: namespace digest (16) + chained hash (16); ``.hex()``
+is its printable form."""
+
+KEY_BYTES = 32
+NAMESPACE_BYTES = 16
+
+
+def split_key(key: ChunkKey) -> tuple[bytes, bytes]:
+    """``(namespace digest, chained hash)`` of a chunk key."""
+    return key[:NAMESPACE_BYTES], key[NAMESPACE_BYTES:]
+
 
 HashAlgorithm = Literal["xxh3", "vllm"]
 
@@ -239,6 +257,7 @@ class Xxh3ChunkHasher:
         digest = xxhash.xxh3_128_digest
         parent = self._parent
         extras = self.extras
+        prefix = self.namespace.digest
         keys: list[ChunkKey] = []
         for index in range(num_chunks):
             if narrow:
@@ -252,7 +271,7 @@ class Xxh3ChunkHasher:
                 if extra:
                     message += msgpack.packb(extra, use_bin_type=True)
             parent = digest(message)
-            keys.append(ChunkKey(parent))
+            keys.append(ChunkKey(prefix + parent))
         self._parent = parent
         return keys
 

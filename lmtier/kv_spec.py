@@ -23,7 +23,7 @@ from lmtier.chunk_format import (
     encoded_size,
     header_bytes,
 )
-from lmtier.keys import ChunkKey, Namespace
+from lmtier.keys import KEY_BYTES, ChunkKey, split_key
 from lmtier.memory import SlabHandle
 
 __all__ = ["KVSpec", "chunk_tensor", "encode_kv_into", "torch_dtype"]
@@ -98,11 +98,12 @@ class KVSpec:
             * DTYPE_ITEMSIZE[self.dtype]
         )
 
-    def meta(self, key: ChunkKey, namespace: Namespace, num_tokens: int) -> ChunkMeta:
-        """The chunk-format meta of a chunk of ``num_tokens`` tokens."""
+    def meta(self, key: ChunkKey, num_tokens: int) -> ChunkMeta:
+        """The chunk-format meta of chunk ``key`` holding ``num_tokens`` tokens."""
+        namespace, chain = split_key(key)
         return ChunkMeta(
-            key=key,
-            namespace=namespace.digest,
+            key=chain,
+            namespace=namespace,
             dtype=self.dtype,
             shape=self.shape(num_tokens),
             layout=self.layout,
@@ -111,8 +112,7 @@ class KVSpec:
 
     def encoded_chunk_bytes(self, chunk_size: int) -> int:
         """Encoded size of one full chunk: the pool's slab size."""
-        placeholder = Namespace(model_id="")
-        return encoded_size(self.meta(ChunkKey(bytes(16)), placeholder, chunk_size))
+        return encoded_size(self.meta(ChunkKey(bytes(KEY_BYTES)), chunk_size))
 
 
 LAYOUTS_TOKEN_AXIS = {"LKTHD": 2, "KLTHD": 2, "LTD": 1}

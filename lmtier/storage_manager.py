@@ -184,9 +184,7 @@ class StorageManager:
         tier.stats.lookup_latency.record(time.perf_counter() - started)
         return 0 if count is None else max(0, min(count, len(keys)))
 
-    async def _guarded(
-        self, tier: Tier, what: str, call: Callable[[], Awaitable[T]]
-    ) -> T | None:
+    async def _guarded(self, tier: Tier, what: str, call: Callable[[], Awaitable[T]]) -> T | None:
         """Run one tier call under its breaker and timeout; None means "count it a miss"."""
         breaker = self.breakers[tier.name]
         if not breaker.allow():

@@ -16,19 +16,19 @@ import numpy as np
 
 from lmtier.chunk_format import ChunkMeta, encode
 from lmtier.errors import BackendUnavailable
-from lmtier.keys import ChunkKey
+from lmtier.keys import ChunkKey, split_key
 from lmtier.stats import TierStats
 from lmtier.tier import Buffer, Tier, TierProperties
 
 __all__ = ["DictTier", "make_chunk", "random_key"]
 
 TEST_NAMESPACE = b"lmtier-testing!!"
-"""A 16-byte namespace id for chunks made here."""
+"""A 16-byte namespace digest for chunks made here."""
 
 
-def random_key() -> ChunkKey:
-    """A fresh random 16-byte chunk key."""
-    return ChunkKey(os.urandom(16))
+def random_key(namespace: bytes = TEST_NAMESPACE) -> ChunkKey:
+    """A fresh random chunk key in ``namespace`` (a 16-byte digest)."""
+    return ChunkKey(namespace + os.urandom(16))
 
 
 def make_chunk(
@@ -42,9 +42,10 @@ def make_chunk(
     key = key if key is not None else random_key()
     rng = np.random.default_rng(seed)
     payload = rng.standard_normal((1, 2, num_tokens, 1, hidden), dtype=np.float32)
+    namespace, chain = split_key(key)
     meta = ChunkMeta(
-        key=key,
-        namespace=TEST_NAMESPACE,
+        key=chain,
+        namespace=namespace,
         dtype="float32",
         shape=payload.shape,
         layout="LKTHD",

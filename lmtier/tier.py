@@ -78,8 +78,8 @@ def validate_chunk(key: ChunkKey, data: memoryview) -> bool:
     except CorruptChunk as exc:
         logger.debug("chunk %s failed validation: %s", key.hex(), exc)
         return False
-    if chunk.meta.key != key:
-        logger.debug("chunk %s holds key %s", key.hex(), chunk.meta.key.hex())
+    if chunk.meta.namespace + chunk.meta.key != key:
+        logger.debug("chunk %s holds another key", key.hex())
         return False
     return True
 

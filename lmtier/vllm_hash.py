@@ -16,7 +16,7 @@ Reproducing that lets our keys agree with vLLM's prefix cache and its KV events.
 vLLM's hashes name no model, so a chunk's storage key binds the namespace to the
 block hash at the chunk's end boundary::
 
-    key(chunk j) = xxh3_128(b"vllm" || namespace digest || h[(j+1) * C/B - 1])
+    key(chunk j) = namespace digest || xxh3_128(b"vllm" || namespace digest || h[(j+1) * C/B - 1])
 
 The chunk size must be a multiple of the block size. The binding is one xxh3 call
 per chunk; the block hashes themselves (one CBOR encoding and one sha256 per 16
@@ -63,7 +63,8 @@ def none_hash(seed: str = DEFAULT_NONE_HASH_SEED) -> bytes:
 
 def bind_block_hash(namespace: Namespace, block_hash: bytes) -> ChunkKey:
     """The storage key of a chunk whose last block has vLLM hash ``block_hash``."""
-    return ChunkKey(xxhash.xxh3_128_digest(_BIND_TAG + namespace.digest + block_hash))
+    digest = namespace.digest
+    return ChunkKey(digest + xxhash.xxh3_128_digest(_BIND_TAG + digest + block_hash))
 
 
 def vllm_block_hashes(

@@ -2,7 +2,9 @@
 
 Layout::
 
-    <path>/v1/<k[:2]>/<k>.lmtc      k = the key's 32 hex digits; 256 shard directories
+    <path>/v1/<c[:2]>/<n><c>.lmtc   n, c = the key's namespace and chain halves, 32 hex
+                                    digits each; 256 shards by chain, so one namespace
+                                    spreads evenly and ``rm v1/*/<n>*`` drops it
     <path>/v1/tmp/                  temp files of writes in flight
 
 Atomicity: a write goes to a temp file in ``tmp/`` (same filesystem), is fdatasynced
@@ -161,7 +163,7 @@ class DiskTier(Tier):
     def path_of(self, key: ChunkKey) -> str:
         """The file that holds (or would hold) chunk ``key``."""
         name = key.hex()
-        return f"{self.root}/{name[:2]}/{name}{CHUNK_SUFFIX}"
+        return f"{self.root}/{name[32:34]}/{name}{CHUNK_SUFFIX}"
 
     async def contains(self, keys: Sequence[ChunkKey]) -> int:
         return self.contains_now(keys)

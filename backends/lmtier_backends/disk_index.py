@@ -26,7 +26,7 @@ __all__ = ["CHUNK_SUFFIX", "DiskIndex", "ScanResult", "scan_chunk_dir"]
 logger = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".lmtc"
-_CHUNK_NAME = re.compile(r"[0-9a-f]{32}\.lmtc")
+_CHUNK_NAME = re.compile(r"[0-9a-f]{64}\.lmtc")
 _SHARD_NAMES = tuple(f"{i:02x}" for i in range(256))
 
 
@@ -71,13 +71,13 @@ def scan_chunk_dir(root: str) -> ScanResult:
             for entry in entries:
                 name = entry.name
                 if (
-                    name.startswith(shard)
+                    name[32:34] == shard
                     and _CHUNK_NAME.fullmatch(name)
                     and entry.is_file(follow_symlinks=False)
                 ):
                     st = entry.stat(follow_symlinks=False)
                     size = sizes.setdefault(st.st_size, st.st_size)
-                    found.append((st.st_mtime_ns, ChunkKey(bytes.fromhex(name[:32])), size))
+                    found.append((st.st_mtime_ns, ChunkKey(bytes.fromhex(name[:64])), size))
                 else:
                     result.foreign.append(entry.path)
     found.sort(key=lambda item: item[0])

@@ -80,7 +80,7 @@ def test_round_trip_into_bytearray_and_mmap(tmp_path: Path) -> None:
         assert await tier.put(chunks) == 6
         # Layout: <path>/v1/<2 hex>/<32 hex>.lmtc, holding the chunk bytes unchanged.
         for key, data in chunks:
-            assert (tmp_path / "v1" / key.hex()[:2] / f"{key.hex()}.lmtc").read_bytes() == data
+            assert (tmp_path / "v1" / key.hex()[32:34] / f"{key.hex()}.lmtc").read_bytes() == data
         assert await tier.contains(keys) == 6
         assert await tier.contains([*keys[:2], random_key(), keys[3]]) == 2
         plain = [memoryview(bytearray(CHUNK_LEN + 100)) for _ in keys]
@@ -503,7 +503,7 @@ def test_open_rebuilds_index_without_opening_files(tmp_path: Path) -> None:
     # Garbage under chunk names is indexed at open (no file is read) and caught at read.
     keys = [random_key() for _ in range(3)]
     for key in keys:
-        shard = tmp_path / "v1" / key.hex()[:2]
+        shard = tmp_path / "v1" / key.hex()[32:34]
         shard.mkdir(parents=True, exist_ok=True)
         (shard / f"{key.hex()}.lmtc").write_bytes(b"garbage")
 

@@ -54,7 +54,7 @@ def test_sample_prints_three_keys() -> None:
     code, out, _ = run_cli(["keys", "--sample"])
     assert code == 0
     assert len(out.split()) == 1000 // 256
-    assert all(len(line) == 32 for line in out.split())
+    assert all(len(line) == 64 for line in out.split())
 
 
 @pytest.mark.parametrize(

@@ -118,9 +118,10 @@ def test_input_types_give_equal_keys() -> None:
         assert chunk_keys(variant, NS) == expected
 
 
-def test_keys_are_full_128_bits() -> None:
+def test_keys_are_namespace_plus_full_128_bit_chain() -> None:
     keys = chunk_keys(list(range(2 * CHUNK)), NS)
-    assert all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+    assert all(k[:16] == NS.digest for k in keys)
 
 
 def test_wide_token_ids_are_hashed_per_chunk() -> None:
@@ -206,10 +207,12 @@ GOLDEN = {
 
 def test_golden_vectors() -> None:
     assert GOLDEN_NAMESPACE.digest.hex() == GOLDEN["namespace"]
-    assert [k.hex() for k in chunk_keys(GOLDEN_TOKENS, GOLDEN_NAMESPACE)] == GOLDEN["xxh3"]
+    keys = chunk_keys(GOLDEN_TOKENS, GOLDEN_NAMESPACE)
+    assert [k.hex() for k in keys] == [GOLDEN["namespace"] + chain for chain in GOLDEN["xxh3"]]
     ns16 = dataclasses.replace(GOLDEN_NAMESPACE, chunk_size=16)
     vllm_keys = chunk_keys(list(range(40)), ns16, algorithm="vllm")
-    assert [k.hex() for k in vllm_keys] == GOLDEN["vllm"]
+    assert [k.hex()[32:] for k in vllm_keys] == GOLDEN["vllm"]
+    assert {k.hex()[:32] for k in vllm_keys} == {ns16.digest.hex()}
 
 
 def test_keys_are_equal_across_processes_with_different_hash_seeds() -> None:

@@ -96,7 +96,7 @@ def test_get_promotes_to_memory_and_to_tiers_above_the_source() -> None:
         assert [c.tier for c in loaded] == ["cpu", "remote", "remote", "remote"]
         for chunk, (_, data) in zip(loaded, items, strict=True):
             assert bytes(chunk.handle.view[: len(data)]) == data
-            assert chunk.chunk.meta.key == chunk.key
+            assert chunk.chunk.meta.namespace + chunk.chunk.meta.key == chunk.key
             chunk.release()
         await manager.flush()
         assert manager.memory.count_prefix(keys) == 4
