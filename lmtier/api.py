@@ -29,7 +29,7 @@ import torch
 from lmtier.config import LMTierConfig, load_config
 from lmtier.cpu_tier import CPUTier
 from lmtier.keys import ChunkKey, ExtraKeys, Namespace, make_hasher
-from lmtier.kv_spec import KVSpec, chunk_tensor, encode_kv_into
+from lmtier.kv_spec import KVSource, KVSpec, chunk_tensor, encode_kv_into, kv_num_tokens, narrow_kv
 from lmtier.memory import HostPool, SlabHandle
 from lmtier.plugins import open_tiers
 from lmtier.runtime import Runtime
@@ -238,23 +238,24 @@ class LMTier:
     def store(
         self,
         tokens: TokenInput,
-        kv: torch.Tensor,
+        kv: KVSource,
         *,
         cache_salt: str = "",
         extras: ExtraKeys | None = None,
     ) -> int:
         """Store the full chunks of ``tokens`` not cached yet; returns how many were stored.
 
-        ``kv`` holds the KV of (at least) every full chunk, shaped
-        ``kv_spec.shape(n)`` with ``n >= len(keys) * chunk_size``, on any device.
+        ``kv`` holds the KV of (at least) every full chunk: one tensor shaped
+        ``kv_spec.shape(n)``, or one (K, V) pair per layer shaped (n, heads, dim),
+        with ``n >= len(keys) * chunk_size``, on any device.
         Never blocks on storage: if every host slab is held by readers and pending
         writes, the remaining chunks are dropped and counted (``cpu.queue_drops``).
         """
         keys = self.keys(tokens, cache_salt=cache_salt, extras=extras)
-        axis = self.kv_spec.token_axis
-        if kv.shape[axis] < len(keys) * self.chunk_size:
+        covered = kv_num_tokens(kv, self.kv_spec)
+        if covered < len(keys) * self.chunk_size:
             raise ValueError(
-                f"kv covers {kv.shape[axis]} tokens; {len(keys)} full chunks need "
+                f"kv covers {covered} tokens; {len(keys)} full chunks need "
                 f"{len(keys) * self.chunk_size}"
             )
         present = self._lookup(keys).num_chunks
@@ -266,7 +267,7 @@ class LMTier:
             try:
                 for index, handle in zip(batch, handles, strict=False):
                     meta = self.kv_spec.meta(keys[index], self.chunk_size)
-                    part = kv.narrow(axis, index * self.chunk_size, self.chunk_size)
+                    part = narrow_kv(kv, self.kv_spec, index * self.chunk_size, self.chunk_size)
                     encoded.append((keys[index], handle, encode_kv_into(handle, meta, part)))
             except BaseException:
                 for handle in handles:

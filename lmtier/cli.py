@@ -1,8 +1,13 @@
 """The ``lmtier`` command line.
 
-Each subcommand is a small function taking parsed arguments and returning an exit
-code; ``main`` builds the parser and maps lmtier's own errors to a one-line
-message and exit status 2, so users never see a traceback for bad input.
+Each subcommand is a small function taking parsed arguments and the config and
+returning an exit code; ``main`` builds the parser and maps lmtier's own errors to a
+one-line message and exit status 2, so users never see a traceback for bad input.
+
+Packages that sit on top of the core add subcommands through the ``lmtier.commands``
+entry-point group (the core never imports them): an entry point names a function
+``register(commands)`` that adds a subparser and sets ``handler`` on it, e.g.
+``lmtier demo`` from ``lmtier_connector``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TextIO
 
@@ -126,6 +132,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     keys.add_argument("--vocab-size", type=int, help="reject token ids >= this")
     keys.set_defaults(handler=_cmd_keys)
+    for entry in sorted(entry_points(group="lmtier.commands"), key=lambda e: e.name):
+        entry.load()(commands)
     return parser
 
 

@@ -10,6 +10,7 @@ loaded chunk. This is the one module between the byte world of tiers and torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,23 @@ from lmtier.chunk_format import (
 from lmtier.keys import KEY_BYTES, ChunkKey, split_key
 from lmtier.memory import SlabHandle
 
-__all__ = ["KVSpec", "chunk_tensor", "encode_kv_into", "torch_dtype"]
+__all__ = [
+    "KVSource",
+    "KVSpec",
+    "LayerKV",
+    "chunk_tensor",
+    "encode_kv_into",
+    "kv_num_tokens",
+    "narrow_kv",
+    "torch_dtype",
+]
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+"""K and V of one layer, each shaped (tokens, kv_heads, head_dim), any strides/device."""
+
+KVSource = torch.Tensor | Sequence[LayerKV]
+"""KV to store: one tensor shaped ``KVSpec.shape(n)``, or one (K, V) pair per layer
+(what an engine's per-layer cache holds; no need to stack it into one tensor first)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -118,23 +135,55 @@ class KVSpec:
 LAYOUTS_TOKEN_AXIS = {"LKTHD": 2, "KLTHD": 2, "LTD": 1}
 
 
-def encode_kv_into(handle: SlabHandle, meta: ChunkMeta, kv: torch.Tensor) -> int:
-    """Encode the KV tensor ``kv`` (shape ``meta.shape``, any strides/device) into a slab.
+def kv_num_tokens(kv: KVSource, spec: KVSpec) -> int:
+    """Tokens covered by ``kv``."""
+    if isinstance(kv, torch.Tensor):
+        return int(kv.shape[spec.token_axis])
+    return min((int(k.shape[0]) for k, _ in kv), default=0)
+
+
+def narrow_kv(kv: KVSource, spec: KVSpec, start: int, length: int) -> KVSource:
+    """Tokens ``[start, start + length)`` of ``kv``, as views (no copy)."""
+    if isinstance(kv, torch.Tensor):
+        return kv.narrow(spec.token_axis, start, length)
+    return [(k.narrow(0, start, length), v.narrow(0, start, length)) for k, v in kv]
+
+
+def encode_kv_into(handle: SlabHandle, meta: ChunkMeta, kv: KVSource) -> int:
+    """Encode ``kv`` (shape ``meta.shape``, or per-layer pairs; any strides/device) into a slab.
 
     The payload is copied once, straight to its place in the slab (a strided gather,
     or a device-to-host copy, done by torch), then hashed once for the header.
     Returns the encoded length.
     """
-    if tuple(kv.shape) != meta.shape:
-        raise ValueError(f"KV tensor has shape {tuple(kv.shape)}, the chunk needs {meta.shape}")
     offset = encoded_size(meta) - meta.nbytes
     end = offset + meta.nbytes
     if end > len(handle.view):
         raise ValueError(f"chunk of {end} bytes does not fit a {len(handle.view)}-byte slab")
     target = handle.tensor[offset:end].view(torch_dtype(meta.dtype)).view(meta.shape)
-    target.copy_(kv)
+    if isinstance(kv, torch.Tensor):
+        if tuple(kv.shape) != meta.shape:
+            raise ValueError(f"KV tensor has shape {tuple(kv.shape)}, the chunk needs {meta.shape}")
+        target.copy_(kv)
+    else:
+        _copy_layers(target, meta, kv)
     handle.view[:offset] = header_bytes(meta, handle.view[offset:end])
     return end
+
+
+def _copy_layers(target: torch.Tensor, meta: ChunkMeta, kv: Sequence[LayerKV]) -> None:
+    if meta.layout not in ("LKTHD", "KLTHD"):
+        raise ValueError(f"per-layer (K, V) input needs a K/V layout, not {meta.layout}")
+    layers = meta.shape[0] if meta.layout == "LKTHD" else meta.shape[1]
+    if len(kv) != layers:
+        raise ValueError(f"got KV for {len(kv)} layers, the chunk has {layers}")
+    for layer, (key, value) in enumerate(kv):
+        if meta.layout == "LKTHD":
+            target[layer, 0].copy_(key)
+            target[layer, 1].copy_(value)
+        else:
+            target[0, layer].copy_(key)
+            target[1, layer].copy_(value)
 
 
 def chunk_tensor(chunk: DecodedChunk) -> torch.Tensor:

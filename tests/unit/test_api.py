@@ -137,3 +137,17 @@ def test_closed_cache_refuses_work() -> None:
     cache.close()
     with pytest.raises(RuntimeError, match="not started"):
         cache.lookup(list(range(32)))
+
+
+def test_store_from_per_layer_pairs_equals_store_from_one_tensor() -> None:
+    prompt = list(range(64))
+    kv = kv_for(64)
+    # Per-layer (K, V) views shaped (tokens, heads, dim), as an engine's cache holds them.
+    pairs = [(kv[layer, 0], kv[layer, 1]) for layer in range(SPEC.num_layers)]
+    with LMTier.open(config(), kv=SPEC, model_id="pairs") as cache:
+        assert cache.store(prompt, pairs) == 2
+        with cache.load(prompt) as loaded:
+            assert torch.equal(loaded.kv(), kv)
+    with pytest.raises(ValueError, match="layers"):
+        with LMTier.open(config(), kv=SPEC, model_id="pairs") as cache:
+            cache.store(prompt, pairs[:1])

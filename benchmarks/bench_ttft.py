@@ -1,0 +1,148 @@
+"""TTFT of a cached prefix: lmtier against the ideal, on the demo model (CPU, fp32).
+
+A 3840-token prefix is cached and a 256-token suffix follows. Measured in one run:
+  * ideal: the suffix prefill with the prefix KV already in the model's cache object
+    (a ``DynamicCache`` built from tensors in memory), no lmtier: the bound;
+  * lmtier, prefix served from the CPU tier;
+  * lmtier, prefix served from the disk tier (CPU tier off), page cache warm, and cold
+    (every chunk file dropped from the page cache before each run);
+  * a full 4096-token prefill, for the speedup, next to the FLOP-count ratio.
+Targets: overhead <= 10% of the ideal from the CPU tier, <= 25% from disk.
+
+Usage: python benchmarks/bench_ttft.py [--quick]   (last line: one JSON object)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from lmtier_connector.demo_model import build_demo_model
+from lmtier_connector.hf import CachedCausalLM, kv_spec_of
+from transformers import DynamicCache
+
+from lmtier import LMTier, LMTierConfig
+from lmtier.config import CPUTierConfig, DiskTierConfig
+
+PREFIX, SUFFIX = 3840, 256
+
+
+def median_s(fn: Callable[[], float], repeats: int) -> float:
+    fn()
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def flop_ratio(config: object, prefix: int, suffix: int) -> float:
+    """FLOPs of a full prefill over FLOPs of the suffix prefill (matmuls and attention)."""
+    hidden = config.hidden_size  # type: ignore[attr-defined]
+    layers = config.num_hidden_layers  # type: ignore[attr-defined]
+    heads, head_dim = config.num_attention_heads, config.head_dim  # type: ignore[attr-defined]
+    kv_heads, inter = config.num_key_value_heads, config.intermediate_size  # type: ignore[attr-defined]
+    per_token_linear = (
+        2
+        * layers
+        * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter)
+    )
+
+    def attention(start: int, stop: int) -> float:  # causal: query i sees i + 1 keys
+        keys = (stop * (stop + 1) - start * (start + 1)) / 2
+        return 4 * layers * heads * head_dim * keys
+
+    total = prefix + suffix
+    full = per_token_linear * total + attention(0, total)
+    part = per_token_linear * suffix + attention(prefix, total)
+    return full / part
+
+
+def drop_page_cache(root: Path) -> None:
+    for path in root.rglob("*.lmtc"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (< 60 s)")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 9
+    torch.set_grad_enabled(False)
+    demo = build_demo_model(0)
+    model, spec = demo.model, kv_spec_of(demo.model)
+    ids: list[int] = torch.randint(0, demo.vocab_size, (PREFIX + SUFFIX,)).tolist()
+    plain = CachedCausalLM(model, None)
+    plain.prefill(ids[:64], store=False)
+
+    full_s = median_s(lambda: plain.prefill(ids, store=False).ttft_s, max(1, repeats // 2))
+    prefix_kv = plain.prefill(ids[:PREFIX], store=False).past_key_values
+    layers = [(layer.keys, layer.values) for layer in prefix_kv.layers]
+    suffix = torch.tensor([ids[PREFIX:]])
+
+    def ideal() -> float:
+        cache = DynamicCache(layers)  # the KV is already in the model's cache object
+        start = time.perf_counter()
+        model(suffix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    ideal_s = median_s(ideal, repeats)
+    workdir = Path(tempfile.mkdtemp(prefix="lmtier-ttft-"))
+    base = LMTierConfig(
+        cpu=CPUTierConfig(capacity_bytes=256 << 20),
+        disk=DiskTierConfig(path=workdir, fsync=False),
+    )
+    with LMTier.open(base, kv=spec, model_id=demo.model_id, model_revision=demo.revision) as cache:
+        llm = CachedCausalLM(model, cache)
+        llm.prefill(ids[:PREFIX])
+        cache.flush()
+        cpu_s = median_s(lambda: llm.prefill(ids, store=False).ttft_s, repeats)
+        assert llm.prefill(ids, store=False).tokens_by_tier == {"cpu": PREFIX}
+    disk_only = replace(base, cpu=CPUTierConfig(enabled=False))
+    with LMTier.open(
+        disk_only, kv=spec, model_id=demo.model_id, model_revision=demo.revision
+    ) as cache:
+        llm = CachedCausalLM(model, cache)
+        assert llm.prefill(ids, store=False).tokens_by_tier == {"disk": PREFIX}
+        disk_warm_s = median_s(lambda: llm.prefill(ids, store=False).ttft_s, repeats)
+
+        def cold() -> float:
+            drop_page_cache(workdir)
+            return llm.prefill(ids, store=False).ttft_s
+
+        disk_cold_s = median_s(cold, repeats)
+    results = {
+        "benchmark": "ttft",
+        "prefix_tokens": PREFIX,
+        "suffix_tokens": SUFFIX,
+        "full_prefill_ms": round(full_s * 1e3, 1),
+        "ideal_ms": round(ideal_s * 1e3, 1),
+        "cpu_tier_ms": round(cpu_s * 1e3, 1),
+        "disk_warm_ms": round(disk_warm_s * 1e3, 1),
+        "disk_cold_ms": round(disk_cold_s * 1e3, 1),
+        "cpu_overhead_vs_ideal": round(cpu_s / ideal_s - 1, 3),
+        "disk_warm_overhead_vs_ideal": round(disk_warm_s / ideal_s - 1, 3),
+        "disk_cold_overhead_vs_ideal": round(disk_cold_s / ideal_s - 1, 3),
+        "speedup_cpu_vs_full": round(full_s / cpu_s, 2),
+        "speedup_ideal_vs_full": round(full_s / ideal_s, 2),
+        "flop_ratio_full_vs_suffix": round(flop_ratio(model.config, PREFIX, SUFFIX), 2),
+        "targets": {"cpu_overhead": 0.10, "disk_overhead": 0.25},
+    }
+    results["target_met"] = (
+        results["cpu_overhead_vs_ideal"] <= 0.10 and results["disk_cold_overhead_vs_ideal"] <= 0.25
+    )
+    for name, value in results.items():
+        print(f"{name:>30}: {value}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

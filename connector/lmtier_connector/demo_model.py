@@ -1,0 +1,87 @@
+"""The demo's model: a small Llama, randomly initialised from a config, or a local one.
+
+No download ever happens: the default model is built from :func:`demo_config` with a
+fixed seed (57.9M parameters, 8 layers, hidden 512, GQA with 4 KV heads of 64: 8 KiB
+of fp32 KV per token, the model DESIGN.md's figures were measured with), and
+``load_local_model`` only reads a directory already on disk.
+
+Each model comes with an id and a revision for the cache namespace: the revision
+fingerprints the weights (seed and config for the random model; config and weight
+files for a local one), so changing the model never serves stale KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+__all__ = ["DEMO_MODEL_ID", "DemoModel", "build_demo_model", "demo_config", "load_local_model"]
+
+DEMO_MODEL_ID = "lmtier-demo/llama-58m-random"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoModel:
+    """A loaded causal LM with the identity that goes into the cache namespace."""
+
+    model: Any
+    model_id: str
+    revision: str
+    vocab_size: int
+
+
+def demo_config() -> LlamaConfig:
+    """The demo model's architecture (Llama, fp32)."""
+    return LlamaConfig(
+        vocab_size=32_000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=16_384,
+    )
+
+
+def build_demo_model(seed: int = 0) -> DemoModel:
+    """The demo Llama with random weights drawn from ``seed`` (same seed, same weights)."""
+    config = demo_config()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = _untyped(LlamaForCausalLM)(config).eval()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    fingerprint = xxhash.xxh3_64_hexdigest(config.to_json_string(use_diff=False).encode())
+    return DemoModel(model, DEMO_MODEL_ID, f"seed{seed}-{fingerprint}", config.vocab_size)
+
+
+def load_local_model(path: str | os.PathLike[str]) -> DemoModel:
+    """A causal LM from a local directory (``config.json`` and weights; no hub access)."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: not a model directory")
+    model = _untyped(AutoModelForCausalLM).from_pretrained(
+        directory, local_files_only=True, dtype=torch.float32
+    ).eval()
+    digest = xxhash.xxh3_64()
+    digest.update((directory / "config.json").read_bytes())
+    for file in sorted(directory.iterdir()):
+        if file.suffix in (".safetensors", ".bin"):
+            stat = file.stat()
+            digest.update(json.dumps([file.name, stat.st_size, stat.st_mtime_ns]).encode())
+    model_id = getattr(model.config, "_name_or_path", "") or directory.name
+    return DemoModel(model, str(model_id), digest.hexdigest(), int(model.config.vocab_size))
+
+
+def _untyped(obj: object) -> Any:
+    """transformers' model classes are partly unannotated; keep mypy strict elsewhere."""
+    return obj
