@@ -204,9 +204,15 @@ class LMTier:
         cache_salt: str = "",
         extras: ExtraKeys | None = None,
         max_tokens: int | None = None,
+        skip_tokens: int = 0,
     ) -> CacheLookup:
-        """How many leading tokens (whole chunks, at most ``max_tokens``) some tier holds."""
-        keys = self._limited_keys(tokens, cache_salt, extras, max_tokens)
+        """How many leading tokens (whole chunks, at most ``max_tokens``) some tier holds.
+
+        ``skip_tokens`` (a multiple of the chunk size) starts the walk at that chunk,
+        for a caller that already has the tokens before it (a GPU prefix cache); the
+        result then counts from there.
+        """
+        keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
         found = self._lookup(keys)
         return CacheLookup(found.num_chunks * self.chunk_size, tuple(keys), found)
 
@@ -225,13 +231,15 @@ class LMTier:
         cache_salt: str = "",
         extras: ExtraKeys | None = None,
         max_tokens: int | None = None,
+        skip_tokens: int = 0,
     ) -> LoadResult:
         """Load the KV of the longest cached prefix (whole chunks, at most ``max_tokens``).
 
         Engines pass ``max_tokens=len(tokens) - 1``: the last prompt token is always
-        recomputed, since its logits are needed.
+        recomputed, since its logits are needed. ``skip_tokens`` as in :meth:`lookup`:
+        the result then holds the chunks from there on.
         """
-        keys = self._limited_keys(tokens, cache_salt, extras, max_tokens)
+        keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
         chunks = self._runtime.run(self.manager.get(keys))
         return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis)
 
@@ -296,12 +304,22 @@ class LMTier:
             self.manager.put(key, handle, size)
 
     def _limited_keys(
-        self, tokens: TokenInput, cache_salt: str, extras: ExtraKeys | None, max_tokens: int | None
+        self,
+        tokens: TokenInput,
+        cache_salt: str,
+        extras: ExtraKeys | None,
+        max_tokens: int | None,
+        skip_tokens: int = 0,
     ) -> list[ChunkKey]:
+        if skip_tokens < 0 or skip_tokens % self.chunk_size:
+            raise ValueError(
+                f"skip_tokens must be a non-negative multiple of the chunk size "
+                f"{self.chunk_size}, got {skip_tokens}"
+            )
         keys = self.keys(tokens, cache_salt=cache_salt, extras=extras)
         if max_tokens is not None:
             keys = keys[: max(0, max_tokens) // self.chunk_size]
-        return keys
+        return keys[skip_tokens // self.chunk_size :]
 
     def flush(self) -> None:
         """Wait until background writes queued so far have been attempted."""

@@ -148,6 +148,20 @@ def test_store_from_per_layer_pairs_equals_store_from_one_tensor() -> None:
         assert cache.store(prompt, pairs) == 2
         with cache.load(prompt) as loaded:
             assert torch.equal(loaded.kv(), kv)
-    with pytest.raises(ValueError, match="layers"):
-        with LMTier.open(config(), kv=SPEC, model_id="pairs") as cache:
-            cache.store(prompt, pairs[:1])
+    with (
+        LMTier.open(config(), kv=SPEC, model_id="pairs") as cache,
+        pytest.raises(ValueError, match="layers"),
+    ):
+        cache.store(prompt, pairs[:1])
+
+
+def test_skip_tokens_starts_the_walk_at_a_chunk(cache: LMTier) -> None:
+    prompt = list(range(128))
+    kv = kv_for(128)
+    cache.store(prompt, kv)
+    assert cache.lookup(prompt, skip_tokens=64).num_tokens == 64
+    with cache.load(prompt, skip_tokens=32, max_tokens=127) as loaded:
+        assert loaded.num_tokens == 64  # chunks 1 and 2; chunk 3 holds the last token
+        assert torch.equal(loaded.kv(), kv[:, :, 32:96])
+    with pytest.raises(ValueError, match="multiple of the chunk size"):
+        cache.lookup(prompt, skip_tokens=10)
