@@ -25,7 +25,7 @@ import xxhash
 from lmtier.keys import Namespace, chunk_keys
 
 PROMPT_TOKENS = 32 * 1024
-KV_BYTES_PER_TOKEN = 8192  # 8 layers x 2 (K, V) x 4 KV heads x 64 dims x 4 bytes (DESIGN 10)
+KV_BYTES_PER_TOKEN = 8192  # 8 layers x 2 (K, V) x 2 KV heads x 64 dims x 4 bytes (DESIGN 10)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -156,7 +156,10 @@ def summarize(rows: list[DemoRow]) -> dict[str, Any]:
 
 def print_table(rows: list[DemoRow], summary: dict[str, Any], out: Any = sys.stdout) -> None:
     """The human-readable report."""
-    header = f"{'request':<26} {'prompt':>6} {'cached':>6}  {'served by':<16} {'TTFT ms':>8} {'no cache':>8} {'speedup':>7} {'max |dlogit|':>12}"
+    header = (
+        f"{'request':<26} {'prompt':>6} {'cached':>6}  {'served by':<16} "
+        f"{'TTFT ms':>8} {'no cache':>8} {'speedup':>7} {'max |dlogit|':>12}"
+    )
     print(header, file=out)
     print("-" * len(header), file=out)
     for row in rows:
@@ -207,7 +210,8 @@ def _cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
     else:
         where = "off" if not config.disk.enabled else str(config.disk.path)
         print(
-            f"model {demo.model_id} ({demo.revision}), chunk {config.chunk_size} tokens, disk tier: {where}\n"
+            f"model {demo.model_id} ({demo.revision}), chunk {config.chunk_size} tokens, "
+            f"disk tier: {where}\n"
         )
         print_table(rows, summary)
     return 0

@@ -1,7 +1,7 @@
 """The demo's model: a small Llama, randomly initialised from a config, or a local one.
 
 No download ever happens: the default model is built from :func:`demo_config` with a
-fixed seed (57.9M parameters, 8 layers, hidden 512, GQA with 4 KV heads of 64: 8 KiB
+fixed seed (56.9M parameters, 8 layers, hidden 512, GQA with 2 KV heads of 64: 8 KiB
 of fp32 KV per token, the model DESIGN.md's figures were measured with), and
 ``load_local_model`` only reads a directory already on disk.
 
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 __all__ = ["DEMO_MODEL_ID", "DemoModel", "build_demo_model", "demo_config", "load_local_model"]
 
-DEMO_MODEL_ID = "lmtier-demo/llama-58m-random"
+DEMO_MODEL_ID = "lmtier-demo/llama-57m-random"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +45,7 @@ def demo_config() -> LlamaConfig:
         intermediate_size=1536,
         num_hidden_layers=8,
         num_attention_heads=8,
-        num_key_value_heads=4,
+        num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=16_384,
     )
@@ -69,9 +69,11 @@ def load_local_model(path: str | os.PathLike[str]) -> DemoModel:
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not a model directory")
-    model = _untyped(AutoModelForCausalLM).from_pretrained(
-        directory, local_files_only=True, dtype=torch.float32
-    ).eval()
+    model = (
+        _untyped(AutoModelForCausalLM)
+        .from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        .eval()
+    )
     digest = xxhash.xxh3_64()
     digest.update((directory / "config.json").read_bytes())
     for file in sorted(directory.iterdir()):

@@ -1,0 +1,158 @@
+"""The transfer engine's CUDA paths: side streams, per-layer events, pinned slabs,
+non_blocking copies, layer-wise overlap, and saves that never wait for the host.
+
+Skipped without CUDA; ``benchmarks/gpu_check.py`` runs them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from lmtier_connector.paged_kv import PagedKVCache
+from lmtier_connector.transfer import TransferEngine, gather, seal_slab, slab_payload
+
+from lmtier.chunk_format import decode
+from lmtier.keys import ChunkKey
+from lmtier.kv_spec import KVSpec, chunk_tensor
+from lmtier.memory import HostPool, SlabHandle
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+KEY = ChunkKey(bytes(32))
+
+
+def random_pages(spec: KVSpec, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    pages = PagedKVCache(spec, num_blocks, block_size, device="cuda")
+    assert pages.stacked is not None
+    pages.stacked.copy_(torch.randn(pages.stacked.shape, device="cuda"))
+    return pages
+
+
+def host_copy(pages: PagedKVCache, ids: list[int], num_tokens: int) -> torch.Tensor:
+    out = torch.empty(pages.spec.shape(num_tokens), dtype=pages.dtype)
+    gather(pages, ids, out)  # the synchronous path, as the reference
+    return out
+
+
+def slabs(spec: KVSpec, count: int, chunk_tokens: int) -> tuple[HostPool, list[SlabHandle]]:
+    pool = HostPool(spec.encoded_chunk_bytes(chunk_tokens), count, pin=True)
+    handles = pool.acquire_many(count)
+    assert pool.pinned and handles is not None
+    return pool, handles
+
+
+def close(pool: HostPool, handles: list[SlabHandle]) -> None:
+    for handle in handles:
+        handle.release()
+    pool.close()
+
+
+def test_async_save_then_load_round_trip_through_pinned_slabs() -> None:
+    spec = KVSpec(4, 8, 128, "bfloat16")
+    pages = random_pages(spec, 64)
+    engine = TransferEngine(pages)
+    assert engine.is_async
+    runs, counts = [[3, 9, 1, 40], [7, 8, 60]], [64, 37]  # a full chunk and a partial one
+    pool, handles = slabs(spec, 2, 64)
+    metas = [spec.meta(KEY, n) for n in counts]
+    outs = [slab_payload(h, m) for h, m in zip(handles, metas, strict=True)]
+    assert all(out.is_pinned() for out in outs)
+
+    save = engine.start_save(runs, outs)
+    save.wait()
+    assert save.done()
+    chunks = [decode(h.view[: seal_slab(h, m)]) for h, m in zip(handles, metas, strict=True)]
+    for chunk, run, n in zip(chunks, runs, counts, strict=True):
+        assert torch.equal(chunk_tensor(chunk), host_copy(pages, run, n))
+
+    target = PagedKVCache(spec, 64, 16, device="cuda")
+    new_runs = [[10, 11, 12, 13], [0, 63, 5]]
+    load = engine_for(target).start_load(chunks, new_runs)
+    load.wait()  # the current stream waits; host reads below are ordered after it
+    for chunk, run, n in zip(chunks, new_runs, counts, strict=True):
+        assert torch.equal(host_copy(target, run, n), chunk_tensor(chunk))
+    assert load.done() and len(load.events) == spec.num_layers
+    close(pool, handles)
+
+
+def engine_for(pages: PagedKVCache) -> TransferEngine:
+    return TransferEngine(pages, timing=True)
+
+
+def test_wait_layer_in_any_order_orders_compute_after_that_layer() -> None:
+    spec = KVSpec(6, 8, 128, "float16")
+    source = random_pages(spec, 32)
+    pool, handles = slabs(spec, 1, 256)
+    meta = spec.meta(KEY, 256)
+    run = list(range(16))
+    gather(source, run, slab_payload(handles[0], meta))
+    pages = PagedKVCache(spec, 32, 16, device="cuda")
+    load = engine_for(pages).start_load([slab_payload(handles[0], meta)], [run[::-1]])
+    for layer in (5, 0, 3, 1, 4, 2):
+        load.wait_layer(layer)  # reads below are ordered after that layer's copies
+        assert torch.equal(pages.layer(layer)[:, run[::-1]], source.layer(layer)[:, run])
+    close(pool, handles)
+
+
+def test_layer_zero_is_usable_before_the_last_layer_lands() -> None:
+    spec = KVSpec(8, 8, 128, "bfloat16")  # 32 MiB per layer for 8192 tokens
+    num_tokens = 8192
+    pages = PagedKVCache(spec, num_tokens // 16, 16, device="cuda")
+    pool, handles = slabs(spec, 1, num_tokens)
+    payload = slab_payload(handles[0], spec.meta(KEY, num_tokens))
+    payload.fill_(1.0)
+    compute = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    load = engine_for(pages).start_load([payload], [list(range(num_tokens // 16))])
+    started = []
+    for layer in range(spec.num_layers):
+        load.wait_layer(layer)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        started.append(event)
+        compute = compute @ compute.T / 4096
+    torch.cuda.synchronize()
+    # Layer i's compute starts after layer i landed; layer 0's before the last layer landed.
+    for layer, event in enumerate(started):
+        assert load.events[layer].elapsed_time(event) > -1e-3  # ms; timer resolution
+    assert started[0].elapsed_time(load.events[-1]) > 0
+    close(pool, handles)
+
+
+def test_saves_do_not_block_the_host_and_wait_for_compute() -> None:
+    spec = KVSpec(4, 8, 128, "bfloat16")
+    pages = random_pages(spec, 64)
+    pool, handles = slabs(spec, 1, 256)
+    out = slab_payload(handles[0], spec.meta(KEY, 256))
+    engine = TransferEngine(pages)
+    engine.start_save([list(range(16))], [out]).wait()  # warm up kernels and allocations
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(20):  # tens of ms of work on the compute stream
+        busy = busy @ busy / 8192
+    begin = time.perf_counter()
+    save = engine.start_save([list(range(16))], [out])
+    enqueue_s = time.perf_counter() - begin
+    assert not save.done()  # the save stream waits for the compute enqueued before it
+    save.wait()
+    assert enqueue_s < 0.05
+    assert torch.equal(out, host_copy(pages, list(range(16)), 256))
+    close(pool, handles)
+
+
+def test_async_paths_refuse_pageable_or_non_layer_major_host_chunks() -> None:
+    spec = KVSpec(2, 4, 64, "float16")
+    engine = TransferEngine(PagedKVCache(spec, 8, 16, device="cuda"))
+    pageable = torch.empty(spec.shape(16), dtype=torch.float16)
+    with pytest.raises(ValueError, match="pinned"):
+        engine.start_load([pageable], [[0]])
+    kv_first = KVSpec(2, 4, 64, "float16", "KLTHD")
+    engine = TransferEngine(PagedKVCache(kv_first, 8, 16, device="cuda"))
+    pinned = torch.empty(kv_first.shape(16), dtype=torch.float16).pin_memory()
+    with pytest.raises(ValueError, match="layer-major"):
+        engine.start_save([[0]], [pinned])
