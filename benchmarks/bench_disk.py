@@ -36,11 +36,11 @@ from typing import Any
 
 import aiofiles
 import numpy as np
-from lmtier_backends.disk import DiskTier
 
 from lmtier.chunk_format import ChunkMeta, align_up, encode
 from lmtier.keys import ChunkKey
 from lmtier.testing import TEST_NAMESPACE, random_key
+from lmtier_backends.disk import DiskTier
 
 NUM_TOKENS, HIDDEN = 256, 1024  # the payload of make_chunk(num_tokens=256, hidden=1024)
 ALIGN = 4096

@@ -25,7 +25,6 @@ import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
-from lmtier_backends.disk import DiskTier
 
 from lmtier.cpu_tier import CPUTier
 from lmtier.keys import ChunkKey, Namespace, chunk_keys
@@ -33,6 +32,7 @@ from lmtier.memory import HostPool
 from lmtier.runtime import Runtime
 from lmtier.storage_manager import StorageManager
 from lmtier.testing import make_chunk, random_key
+from lmtier_backends.disk import DiskTier
 
 CHUNK_TOKENS = 256
 HIDDEN = 1024  # 2 (K, V) x 256 tokens x 1024 floats x 4 bytes = 2 MiB payload

@@ -28,6 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from lmtier.chunk_format import ChunkMeta
+from lmtier.keys import ChunkKey
+from lmtier.kv_spec import KVSpec
+from lmtier.memory import HostPool, SlabHandle
 from lmtier_connector.paged_kv import PagedKVCache
 from lmtier_connector.transfer import (
     TransferEngine,
@@ -36,11 +41,6 @@ from lmtier_connector.transfer import (
     scatter,
     slab_payload,
 )
-
-from lmtier.chunk_format import ChunkMeta
-from lmtier.keys import ChunkKey
-from lmtier.kv_spec import KVSpec
-from lmtier.memory import HostPool, SlabHandle
 
 TOKENS, CHUNK, BLOCK, POOL_BLOCKS = 4096, 256, 16, 1024
 SPEC = KVSpec(8, 4, 64, "float32")  # the demo model: 2 x 8 x 4 x 64 x 4 B = 16 KiB per token

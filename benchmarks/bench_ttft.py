@@ -25,12 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from lmtier_connector.demo_model import build_demo_model
-from lmtier_connector.hf import CachedCausalLM, kv_spec_of
 from transformers import DynamicCache
 
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier_connector.demo_model import build_demo_model
+from lmtier_connector.hf import CachedCausalLM, kv_spec_of
 
 PREFIX, SUFFIX = 3840, 256
 

@@ -170,9 +170,11 @@ class StorageManager:
         for tier in self.tiers:
             if found == len(keys):
                 break
+            started = time.perf_counter()
             count = tier.contains_now(keys[found:])
             if count is None:
                 return None
+            tier.stats.lookup_latency.record(time.perf_counter() - started)
             if count:
                 spans.append(TierSpan(tier.name, found, found + count))
                 found += count

@@ -7,7 +7,11 @@ lmtier, and as a plain full prefill, so the table shows the time to first token
 (TTFT) saved and the largest logit difference (zero expected: the cache serves the
 same KV the model would compute).
 
-Run it again in a new process and the first requests are served from the disk tier.
+The tiers are the whole waterfall: a small device prefix cache (paged KV with
+vLLM-style block caching, 4096 tokens by default), then lmtier's CPU and disk tiers.
+The RAG document pushes the system prompt out of the device tier, so the last
+request is served from the CPU tier; run the demo again in a new process and the
+first requests are served from the disk tier.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from lmtier.api import LMTier
 from lmtier.config import LMTierConfig
 from lmtier.sizes import parse_size
 from lmtier_connector.demo_model import DemoModel, build_demo_model, load_local_model
+from lmtier_connector.device_tier import DevicePrefixCache
 from lmtier_connector.hf import CachedCausalLM, kv_spec_of
 
 __all__ = ["DemoRow", "register", "run_demo"]
@@ -84,12 +89,20 @@ class Workload:
             DemoRequest(f"RAG document, question {i + 1}", document + self.tokens(80 + 40 * i))
             for i in range(2)
         ]
+        requests.append(DemoRequest("system prompt, user 4", system + self.tokens(120)))
         return requests
 
 
-def run_demo(demo: DemoModel, cache: LMTier, *, seed: int = 0, scale: float = 1.0) -> list[DemoRow]:
+def run_demo(
+    demo: DemoModel,
+    cache: LMTier,
+    *,
+    device_cache: DevicePrefixCache | None = None,
+    seed: int = 0,
+    scale: float = 1.0,
+) -> list[DemoRow]:
     """Run the workload through lmtier and without it; one row per request."""
-    llm = CachedCausalLM(demo.model, cache)
+    llm = CachedCausalLM(demo.model, cache, device_cache=device_cache)
     plain = CachedCausalLM(demo.model, None)
     plain.prefill(list(range(32)), store=False)  # warm up kernels outside the timings
     workload = Workload(demo.vocab_size, seed, scale)
@@ -195,6 +208,10 @@ def _cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
     demo = load_local_model(args.model) if args.model else build_demo_model(args.seed)
     config = _config(args, config)
     spec = kv_spec_of(demo.model)
+    device = next(demo.model.parameters()).device
+    device_cache = (
+        DevicePrefixCache(spec, args.device_blocks, device=device) if args.device_blocks else None
+    )
     with LMTier.open(
         config,
         kv=spec,
@@ -202,7 +219,7 @@ def _cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
         model_revision=demo.revision,
         vocab_size=demo.vocab_size,
     ) as cache:
-        rows = run_demo(demo, cache, seed=args.seed, scale=args.scale)
+        rows = run_demo(demo, cache, device_cache=device_cache, seed=args.seed, scale=args.scale)
         cache.flush()
     summary = summarize(rows)
     if args.json:
@@ -239,6 +256,12 @@ def register(commands: Any) -> None:
     demo.add_argument("--cache-dir", metavar="DIR", help="disk tier directory (default: config)")
     demo.add_argument("--no-disk", action="store_true", help="CPU tier only")
     demo.add_argument("--cpu-capacity", default="1GiB", help="CPU tier size (default 1GiB)")
+    demo.add_argument(
+        "--device-blocks",
+        type=int,
+        default=256,
+        help="device prefix-cache blocks of 16 tokens (default 256; 0: no device tier)",
+    )
     demo.add_argument(
         "--scale",
         type=float,

@@ -9,8 +9,11 @@ and an :class:`~lmtier.api.LMTier`. A prefill:
    layer, copied once out of the pool slabs (which are released at once);
 3. runs the model on the suffix only, with that cache as ``past_key_values``;
    transformers derives the positions of the suffix from the cache length;
-4. stores the new full chunks (CPU tier now, lower tiers in the background), after
-   the logits are ready, so storing never delays the first token.
+4. after the logits are ready (so storing never delays the first token), caches the
+   new full blocks in the device tier and stores the new full chunks in lmtier (CPU
+   tier now, lower tiers in the background).
+
+A CachedCausalLM is used by one thread at a time, like the model it wraps.
 
 With fp32 weights the logits equal those of a full prefill without lmtier: the
 attention of the suffix reads the same K and V, whether computed or loaded.
@@ -20,14 +23,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from lmtier.api import LMTier
+from lmtier.keys import Namespace
 from lmtier.kv_spec import KVSpec, LayerKV
+from lmtier_connector.device_tier import DeviceHit, DevicePrefixCache
 
 __all__ = ["CachedCausalLM", "PrefillResult", "kv_spec_of"]
 
@@ -58,10 +63,29 @@ class PrefillResult:
 class CachedCausalLM:
     """A causal LM with lmtier in front of its prefill. See the module docstring."""
 
-    def __init__(self, model: Any, cache: LMTier | None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        cache: LMTier | None,
+        *,
+        device_cache: DevicePrefixCache | None = None,
+        namespace: Namespace | None = None,
+    ) -> None:
+        """``namespace`` keys the device tier when there is no ``cache`` to take it from."""
+        if device_cache is not None and cache is None and namespace is None:
+            raise ValueError("a device tier without an LMTier needs a namespace")
         self.model = model
         self.cache = cache
+        self.device_cache = device_cache
+        self._namespace = namespace
         self.device = next(model.parameters()).device
+
+    def namespace(self, cache_salt: str) -> Namespace:
+        """The namespace of this model for one tenant."""
+        if self.cache is not None:
+            return self.cache.namespace(cache_salt)
+        assert self._namespace is not None  # checked in __init__
+        return replace(self._namespace, cache_salt=cache_salt)
 
     def prefill(
         self, prompt: Sequence[int], *, cache_salt: str = "", store: bool = True
@@ -71,15 +95,14 @@ class CachedCausalLM:
         ids = list(prompt)
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
-        past, cached, tiers = self._load_prefix(ids, cache_salt)
+        device_hit = self._device_lookup(ids, cache_salt)
+        past, cached, tiers = self._load_prefix(ids, cache_salt, device_hit)
         suffix = torch.tensor([ids[cached:]], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(suffix, past_key_values=past, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1]
         ttft = time.perf_counter() - started
-        stored = 0
-        if store and self.cache is not None:
-            stored = self.cache.store(ids, self._layer_kv(past), cache_salt=cache_salt)
+        stored = self._store(ids, past, cache_salt, device_hit) if store else 0
         return PrefillResult(logits, past, len(ids), cached, ttft, tiers, stored)
 
     def generate(
@@ -99,31 +122,70 @@ class CachedCausalLM:
                 out = self.model(step, past_key_values=past, use_cache=True)
                 token = int(out.logits[0, -1].argmax())
                 generated.append(token)
-        if self.cache is not None:
-            sequence = [*prompt, *generated[:-1]]  # the last token has no KV yet
-            result.num_stored_chunks = self.cache.store(
-                sequence, self._layer_kv(past), cache_salt=cache_salt
-            )
+        sequence = [*prompt, *generated[:-1]]  # the last token has no KV yet
+        hit = self._device_lookup(sequence, cache_salt)
+        result.num_stored_chunks = self._store(sequence, past, cache_salt, hit)
         return generated, result
 
+    def _device_lookup(self, ids: list[int], cache_salt: str) -> DeviceHit | None:
+        if self.device_cache is None:
+            return None
+        return self.device_cache.lookup(ids, self.namespace(cache_salt))
+
     def _load_prefix(
-        self, ids: list[int], cache_salt: str
+        self, ids: list[int], cache_salt: str, device_hit: DeviceHit | None
     ) -> tuple[DynamicCache, int, dict[str, int]]:
+        on_device = device_hit.num_tokens if device_hit is not None else 0
         if self.cache is None:
+            return self._build(ids, device_hit, on_device, [], {})
+        # Storage is chunk-granular: it can extend the device hit from the last chunk
+        # boundary the device tier covers, if it reaches further.
+        boundary = on_device // self.cache.chunk_size * self.cache.chunk_size
+        found = self.cache.lookup(
+            ids, max_tokens=len(ids) - 1, skip_tokens=boundary, cache_salt=cache_salt
+        )
+        if boundary + found.num_tokens <= on_device:
+            return self._build(ids, device_hit, on_device, [], {})
+        with self.cache.load(
+            ids, max_tokens=len(ids) - 1, skip_tokens=boundary, cache_salt=cache_salt
+        ) as hit:
+            if boundary + hit.num_tokens <= on_device:  # lost a race with an eviction
+                return self._build(ids, device_hit, on_device, [], {})
+            return self._build(ids, device_hit, boundary, hit.tensors(), hit.tokens_by_tier())
+
+    def _build(
+        self,
+        ids: list[int],
+        device_hit: DeviceHit | None,
+        on_device: int,
+        views: list[torch.Tensor],
+        tiers: dict[str, int],
+    ) -> tuple[DynamicCache, int, dict[str, int]]:
+        """A DynamicCache from ``on_device`` tokens of pages, then the chunk ``views``."""
+        parts = list(views)  # zero-copy (L, 2, C, H, D) views of slabs
+        if on_device and device_hit is not None and self.device_cache is not None:
+            parts.insert(0, self.device_cache.load(device_hit, on_device))
+            tiers = {"device": on_device, **tiers}
+        if not parts:
             return DynamicCache(), 0, {}
-        with self.cache.load(ids, max_tokens=len(ids) - 1, cache_salt=cache_salt) as hit:
-            if hit.num_tokens == 0:
-                return DynamicCache(), 0, {}
-            views = hit.tensors()  # zero-copy (L, 2, C, H, D) views of the slabs
-            layers = []
-            for layer in range(views[0].shape[0]):
-                # One copy per layer out of the slabs, laid out as HF wants: (1, H, T, D).
-                keys = torch.cat([v[layer, 0] for v in views]).permute(1, 0, 2)
-                values = torch.cat([v[layer, 1] for v in views]).permute(1, 0, 2)
-                layers.append(
-                    (keys.unsqueeze(0).to(self.device), values.unsqueeze(0).to(self.device))
-                )
-            return DynamicCache(layers), hit.num_tokens, hit.tokens_by_tier()
+        layers = []
+        for layer in range(parts[0].shape[0]):
+            # One copy per layer, laid out as HF wants: (1, H, T, D).
+            keys = torch.cat([p[layer, 0] for p in parts]).permute(1, 0, 2)
+            values = torch.cat([p[layer, 1] for p in parts]).permute(1, 0, 2)
+            layers.append((keys.unsqueeze(0).to(self.device), values.unsqueeze(0).to(self.device)))
+        cached = sum(int(p.shape[2]) for p in parts)
+        return DynamicCache(layers), cached, tiers
+
+    def _store(
+        self, ids: list[int], past: DynamicCache, cache_salt: str, device_hit: DeviceHit | None
+    ) -> int:
+        layers = self._layer_kv(past)
+        if self.device_cache is not None and device_hit is not None:
+            self.device_cache.save(device_hit, layers, len(ids))
+        if self.cache is None:
+            return 0
+        return self.cache.store(ids, layers, cache_salt=cache_salt)
 
     @staticmethod
     def _layer_kv(past: DynamicCache) -> list[LayerKV]:

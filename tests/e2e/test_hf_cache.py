@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lmtier_connector.hf import CachedCausalLM, kv_spec_of
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier_connector.device_tier import DevicePrefixCache
+from lmtier_connector.hf import CachedCausalLM, kv_spec_of
 
 pytestmark = pytest.mark.e2e
 
@@ -185,3 +186,35 @@ def test_restart_in_a_new_process_hits_disk_with_equal_logits(tmp_path: Path) ->
     assert '"tiers": {"disk": 320}' in second
     diff = float(second.rsplit(":", 1)[1].rstrip("}"))
     assert diff <= ATOL
+
+
+def test_device_tier_hit_gives_equal_logits_and_falls_back_to_cpu(
+    model: LlamaForCausalLM, cache: LMTier
+) -> None:
+    spec = kv_spec_of(model)
+    device = DevicePrefixCache(spec, num_blocks=1 + 20)  # 20 usable blocks: 320 tokens
+    llm = CachedCausalLM(model, cache, device_cache=device)
+    shared = prompt(200, seed=20)
+    llm.prefill([*shared, *prompt(30, seed=21)])
+    ids = [*shared, *prompt(40, seed=22)]
+    hit = llm.prefill(ids)
+    assert hit.tokens_by_tier == {"device": 192}  # 12 blocks; whole chunks would give 192 too
+    torch.testing.assert_close(hit.logits, reference_logits(model, ids), atol=ATOL, rtol=0)
+    # Another long prompt evicts the shared blocks (LRU): storage serves them instead.
+    llm.prefill(prompt(300, seed=23))
+    again = llm.prefill(ids)
+    assert again.tokens_by_tier == {"cpu": 192}
+    torch.testing.assert_close(again.logits, reference_logits(model, ids), atol=ATOL, rtol=0)
+
+
+def test_device_hit_is_extended_by_storage_chunks(model: LlamaForCausalLM, cache: LMTier) -> None:
+    spec = kv_spec_of(model)
+    ids = prompt(300, seed=30)
+    CachedCausalLM(model, cache).prefill(ids)  # storage holds 4 chunks of 64
+    device = DevicePrefixCache(spec, num_blocks=64)
+    llm = CachedCausalLM(model, cache, device_cache=device)
+    llm.prefill(ids[:100])  # the device tier holds 6 blocks (96 tokens)
+    result = llm.prefill([*ids, 7])
+    # Device serves up to the last chunk boundary it covers (64), storage the rest.
+    assert result.tokens_by_tier == {"device": 64, "cpu": 192}
+    torch.testing.assert_close(result.logits, reference_logits(model, [*ids, 7]), atol=ATOL, rtol=0)

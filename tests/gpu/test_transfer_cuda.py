@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
-from lmtier_connector.paged_kv import PagedKVCache
-from lmtier_connector.transfer import TransferEngine, gather, seal_slab, slab_payload
 
 from lmtier.chunk_format import decode
 from lmtier.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor
 from lmtier.memory import HostPool, SlabHandle
+from lmtier_connector.paged_kv import PagedKVCache
+from lmtier_connector.transfer import TransferEngine, gather, seal_slab, slab_payload
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from lmtier_backends.disk import DiskTier, open_tier
 
 from lmtier.chunk_format import PAYLOAD_ALIGN, PREFIX_LEN
 from lmtier.config import DiskTierConfig
 from lmtier.errors import BackendUnavailable
 from lmtier.keys import ChunkKey
 from lmtier.testing import make_chunk, random_key
+from lmtier_backends.disk import DiskTier, open_tier
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,9 @@ def test_round_trip_into_bytearray_and_mmap(tmp_path: Path) -> None:
         stats = tier.stats
         assert (stats.puts, stats.bytes_written, stats.hits) == (6, 6 * CHUNK_LEN, 12)
         assert (stats.misses, stats.errors, stats.corrupt) == (2, 0, 0)
-        assert (stats.lookups, stats.write_latency.num, stats.read_latency.num) == (11, 1, 4)
+        assert stats.lookups == 11
+        # Latencies are the StorageManager's to record (it wraps every tier call).
+        assert (stats.write_latency.num, stats.read_latency.num) == (0, 0)
         assert await tier.delete([keys[0], keys[0], random_key()]) == 1
         assert await tier.contains(keys) == 0
         assert len(chunk_files(tmp_path)) == 5

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lmtier_backends.disk import DiskTier
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.conformance import TierConformance
+from lmtier_backends.disk import DiskTier
 
 pytestmark = pytest.mark.integration
 

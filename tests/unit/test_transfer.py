@@ -12,6 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from lmtier.chunk_format import decode
+from lmtier.keys import ChunkKey
+from lmtier.kv_spec import KVSpec, chunk_tensor, encode_kv_into
+from lmtier.memory import HostPool
 from lmtier_connector import transfer
 from lmtier_connector.paged_kv import PagedKVCache
 from lmtier_connector.transfer import (
@@ -21,11 +26,6 @@ from lmtier_connector.transfer import (
     save_chunk_into_slab,
     scatter,
 )
-
-from lmtier.chunk_format import decode
-from lmtier.keys import ChunkKey
-from lmtier.kv_spec import KVSpec, chunk_tensor, encode_kv_into
-from lmtier.memory import HostPool
 
 L, H, D, N = 3, 2, 4, 24  # layers, KV heads, head dim, blocks
 DTYPES = ["float32", "float16", "bfloat16", "int8"] + (
