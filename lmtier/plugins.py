@@ -7,7 +7,10 @@ The core never imports a backend: the disk, Redis and S3 tiers live in the
     disk = "lmtier_backends.disk:open_tier"
 
 A factory is ``async def open_tier(section_config) -> Tier``. :func:`open_tiers`
-opens the enabled ones in waterfall order: disk, then Redis, then S3.
+opens the enabled ones in waterfall order: disk, then Redis, then S3. A factory
+that raises BackendError (the server is down) does not stop the cache from opening:
+a :class:`~lmtier.reopening_tier.ReopeningTier` stands in and retries. Any other
+error (a bad configuration, a missing bucket) does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from lmtier.config import LMTierConfig
-from lmtier.errors import ConfigError
+from lmtier.errors import BackendError, ConfigError
+from lmtier.reopening_tier import ReopeningTier
 from lmtier.tier import Tier
 
 __all__ = ["backend_factory", "enabled_sections", "open_tiers"]
@@ -57,14 +61,40 @@ def enabled_sections(config: LMTierConfig) -> list[tuple[str, Any]]:
 
 
 async def open_tiers(config: LMTierConfig) -> list[Tier]:
-    """Open every enabled lower tier; on a failure, close those already opened."""
+    """Open every enabled lower tier; on a failure, close those already opened.
+
+    A tier whose server is unreachable is replaced by a ReopeningTier (module docstring).
+    """
     tiers: list[Tier] = []
     try:
         for name, section in enabled_sections(config):
-            tiers.append(await backend_factory(name)(section))
+            factory = backend_factory(name)
+            try:
+                tiers.append(await factory(section))
+            except BackendError as exc:
+                logger.warning(
+                    "%s tier unreachable at start (%s); retrying in the background", name, exc
+                )
+                tiers.append(
+                    ReopeningTier(
+                        name,
+                        _opener(factory, section),
+                        timeout_s=getattr(section, "timeout_s", None),
+                    )
+                )
+                continue
             logger.debug("opened %s tier", name)
     except BaseException:
         for tier in tiers:
             await tier.close()
         raise
     return tiers
+
+
+def _opener(factory: TierFactory, section: Any) -> Callable[[], Awaitable[Tier]]:
+    """A retry of ``factory(section)`` for a ReopeningTier."""
+
+    async def reopen() -> Tier:
+        return await factory(section)
+
+    return reopen
