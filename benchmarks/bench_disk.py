@@ -38,8 +38,8 @@ import aiofiles
 import numpy as np
 
 from lmtier.chunk_format import ChunkMeta, align_up, encode
-from lmtier.keys import ChunkKey
-from lmtier.testing import TEST_NAMESPACE, random_key
+from lmtier.keys import ChunkKey, split_key
+from lmtier.testing import random_key
 from lmtier_backends.disk import DiskTier
 
 NUM_TOKENS, HIDDEN = 256, 1024  # the payload of make_chunk(num_tokens=256, hidden=1024)
@@ -60,7 +60,8 @@ def make_chunks(count: int) -> list[tuple[ChunkKey, memoryview]]:
     chunks = []
     for _ in range(count):
         key = random_key()
-        meta = ChunkMeta(key, TEST_NAMESPACE, "float32", payload.shape, "LKTHD", NUM_TOKENS)
+        namespace, chain = split_key(key)
+        meta = ChunkMeta(chain, namespace, "float32", payload.shape, "LKTHD", NUM_TOKENS)
         data = encode(meta, payload)
         slab = memoryview(mmap.mmap(-1, align_up(len(data))))
         slab[: len(data)] = data

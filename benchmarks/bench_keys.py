@@ -15,27 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
 import xxhash
+from bench_common import median_s
 
 from lmtier.keys import Namespace, chunk_keys
 
 PROMPT_TOKENS = 32 * 1024
 KV_BYTES_PER_TOKEN = 8192  # 8 layers x 2 (K, V) x 2 KV heads x 64 dims x 4 bytes (DESIGN 10)
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm up: first touches and imports are not what we measure
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -50,16 +38,14 @@ def main() -> None:
     namespace = Namespace(model_id="bench", chunk_size=256)
     token_bytes = prompt.astype("<i4").tobytes()
 
-    xxh3_np = median_seconds(lambda: chunk_keys(prompt, namespace), repeats)
-    xxh3_list = median_seconds(lambda: chunk_keys(prompt_list, namespace), repeats)
-    vllm = median_seconds(
-        lambda: chunk_keys(prompt, namespace, algorithm="vllm"), max(3, repeats // 5)
-    )
-    floor = median_seconds(lambda: xxhash.xxh3_128_digest(token_bytes), repeats)
+    xxh3_np = median_s(lambda: chunk_keys(prompt, namespace), repeats)
+    xxh3_list = median_s(lambda: chunk_keys(prompt_list, namespace), repeats)
+    vllm = median_s(lambda: chunk_keys(prompt, namespace, algorithm="vllm"), max(3, repeats // 5))
+    floor = median_s(lambda: xxhash.xxh3_128_digest(token_bytes), repeats)
 
     kv_src = np.ones(PROMPT_TOKENS * KV_BYTES_PER_TOKEN, dtype=np.uint8)
     kv_dst = np.zeros_like(kv_src)  # preallocated and touched: the pool's steady state
-    copy = median_seconds(lambda: np.copyto(kv_dst, kv_src), max(5, repeats // 3))
+    copy = median_s(lambda: np.copyto(kv_dst, kv_src), max(5, repeats // 3))
 
     def per_token_ns(seconds: float) -> float:
         return seconds / PROMPT_TOKENS * 1e9

@@ -18,13 +18,11 @@ import argparse
 import asyncio
 import json
 import shutil
-import statistics
 import tempfile
-import time
 import tracemalloc
-from collections.abc import Callable
 
 import numpy as np
+from bench_common import median_s
 
 from lmtier.cpu_tier import CPUTier
 from lmtier.keys import ChunkKey, Namespace, chunk_keys
@@ -36,16 +34,6 @@ from lmtier_backends.disk import DiskTier
 
 CHUNK_TOKENS = 256
 HIDDEN = 1024  # 2 (K, V) x 256 tokens x 1024 floats x 4 bytes = 2 MiB payload
-
-
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def bench_cpu_tier(num_chunks: int, repeats: int) -> dict[str, float]:

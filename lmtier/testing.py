@@ -20,10 +20,20 @@ from lmtier.keys import ChunkKey, split_key
 from lmtier.stats import TierStats
 from lmtier.tier import Buffer, Tier, TierProperties
 
-__all__ = ["DictTier", "make_chunk", "random_key"]
+__all__ = ["DictTier", "FakeClock", "make_chunk", "random_key"]
 
 TEST_NAMESPACE = b"lmtier-testing!!"
 """A 16-byte namespace digest for chunks made here."""
+
+
+class FakeClock:
+    """A clock for code that takes ``clock=`` (breakers, backoffs): advance ``now`` by hand."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def random_key(namespace: bytes = TEST_NAMESPACE) -> ChunkKey:

@@ -10,19 +10,11 @@ from lmtier.breaker import BreakerState, CircuitBreaker
 from lmtier.cpu_tier import CPUTier
 from lmtier.memory import HostPool
 from lmtier.storage_manager import StorageManager
-from lmtier.testing import DictTier, make_chunk
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from lmtier.testing import DictTier, FakeClock, make_chunk
 
 
 def test_opens_after_threshold_and_probes_back() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     breaker = CircuitBreaker(failure_threshold=3, reset_after_s=1.0, clock=clock)
     for _ in range(2):
         assert breaker.allow()
@@ -42,7 +34,7 @@ def test_opens_after_threshold_and_probes_back() -> None:
 
 
 def test_failed_probes_back_off_exponentially_up_to_a_cap() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     breaker = CircuitBreaker(
         failure_threshold=1, reset_after_s=1.0, max_reset_after_s=4.0, clock=clock
     )
@@ -77,7 +69,7 @@ def test_bad_settings_are_rejected() -> None:
 
 
 def test_manager_stops_calling_a_dead_tier_and_recovers() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
 
     async def case() -> None:
         pool = HostPool(16 * 1024, 8)

@@ -8,16 +8,8 @@ import pytest
 
 from lmtier.errors import BackendUnavailable
 from lmtier.reopening_tier import ReopeningTier
-from lmtier.testing import DictTier, make_chunk
+from lmtier.testing import DictTier, FakeClock, make_chunk
 from lmtier.tier import Tier
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_retries_with_backoff_then_delegates() -> None:
