@@ -210,11 +210,12 @@ async def tier_read(
 def make_small_files(root: str, count: int) -> None:
     """``count`` files named like chunks (64 bytes each: start-up never opens them)."""
     body = b"x" * 64
+    layout = DiskTier(root, 1)  # no I/O: only asked where chunk files go
     for shard in range(256):
         os.makedirs(os.path.join(root, "v1", f"{shard:02x}"), exist_ok=True)
     for _ in range(count):
-        name = os.urandom(16).hex()
-        fd = os.open(os.path.join(root, "v1", name[:2], name + ".lmtc"), os.O_WRONLY | os.O_CREAT)
+        path = layout.path_of(random_key())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT)
         os.write(fd, body)
         os.close(fd)
 

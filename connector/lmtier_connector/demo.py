@@ -170,7 +170,7 @@ def summarize(rows: list[DemoRow]) -> dict[str, Any]:
 def print_table(rows: list[DemoRow], summary: dict[str, Any], out: Any = sys.stdout) -> None:
     """The human-readable report."""
     header = (
-        f"{'request':<26} {'prompt':>6} {'cached':>6}  {'served by':<16} "
+        f"{'request':<26} {'prompt':>6} {'cached':>6}  {'served by':<22} "
         f"{'TTFT ms':>8} {'no cache':>8} {'speedup':>7} {'max |dlogit|':>12}"
     )
     print(header, file=out)
@@ -178,7 +178,7 @@ def print_table(rows: list[DemoRow], summary: dict[str, Any], out: Any = sys.std
     for row in rows:
         tiers = ", ".join(f"{t} {n}" for t, n in row.tiers.items()) or "-"
         print(
-            f"{row.request:<26} {row.prompt_tokens:>6} {row.cached_tokens:>6}  {tiers:<16} "
+            f"{row.request:<26} {row.prompt_tokens:>6} {row.cached_tokens:>6}  {tiers:<22} "
             f"{row.ttft_ms:>8.1f} {row.ttft_no_cache_ms:>8.1f} {row.speedup:>6.1f}x "
             f"{row.max_logit_diff:>12.2e}",
             file=out,
