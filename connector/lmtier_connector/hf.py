@@ -137,7 +137,7 @@ class CachedCausalLM:
     ) -> tuple[DynamicCache, int, dict[str, int]]:
         on_device = device_hit.num_tokens if device_hit is not None else 0
         if self.cache is None:
-            return self._build(ids, device_hit, on_device, [], {})
+            return self._build(device_hit, on_device, [], {})
         # Storage is chunk-granular: it can extend the device hit from the last chunk
         # boundary the device tier covers, if it reaches further.
         boundary = on_device // self.cache.chunk_size * self.cache.chunk_size
@@ -145,17 +145,16 @@ class CachedCausalLM:
             ids, max_tokens=len(ids) - 1, skip_tokens=boundary, cache_salt=cache_salt
         )
         if boundary + found.num_tokens <= on_device:
-            return self._build(ids, device_hit, on_device, [], {})
+            return self._build(device_hit, on_device, [], {})
         with self.cache.load(
             ids, max_tokens=len(ids) - 1, skip_tokens=boundary, cache_salt=cache_salt
         ) as hit:
             if boundary + hit.num_tokens <= on_device:  # lost a race with an eviction
-                return self._build(ids, device_hit, on_device, [], {})
-            return self._build(ids, device_hit, boundary, hit.tensors(), hit.tokens_by_tier())
+                return self._build(device_hit, on_device, [], {})
+            return self._build(device_hit, boundary, hit.tensors(), hit.tokens_by_tier())
 
     def _build(
         self,
-        ids: list[int],
         device_hit: DeviceHit | None,
         on_device: int,
         views: list[torch.Tensor],

@@ -1,0 +1,167 @@
+"""What the two halves of the vLLM connector share: metadata records, keys, settings.
+
+The scheduler half decides *what* moves (chunk ranges, token ranges, block ids) and
+hands it to every worker in :class:`LMTierConnectorMetadata`; the workers only move
+bytes. Keys are not sent: a worker's namespace differs per tensor-parallel rank, so
+each worker binds the chunk references (:class:`ChunkRefs`) to its own namespace.
+
+The ``*_keys`` functions at the end are key-level access to an :class:`LMTier` that
+its facade does not offer yet (it takes token ids, not vLLM's block hashes); they use
+its runtime and storage manager directly and belong in ``lmtier.api`` once it grows
+``lookup_keys`` / ``load_keys`` / ``store`` by key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lmtier.api import LMTier
+from lmtier.errors import ConfigError
+from lmtier.keys import ChunkKey
+from lmtier.memory import SlabHandle
+from lmtier.storage_manager import LoadedChunk
+from lmtier.vllm_hash import bind_block_hash
+
+__all__ = [
+    "ChunkRefs",
+    "ConnectorSettings",
+    "LMTierConnectorMetadata",
+    "LoadSpec",
+    "SaveSpec",
+    "acquire_slabs",
+    "chunk_keys",
+    "get_keys",
+    "lookup_keys",
+    "put_encoded",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's own options from ``kv_connector_extra_config``.
+
+    ``config_path``: an lmtier YAML file; ``config``: overrides of it (nested or
+    dotted keys, as :func:`lmtier.config.load_config` takes them).
+    ``vllm_block_hashes``: key chunks by vLLM's own block hashes (lookups then agree
+    with vLLM's prefix cache and KV events); False: lmtier's xxh3 chain over tokens.
+    ``save_decode_tokens``: also store chunks completed by generated tokens.
+    """
+
+    config_path: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    vllm_block_hashes: bool = True
+    save_decode_tokens: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys {unknown} for LMTierConnector; "
+                f"known: {sorted(known)}"
+            )
+        overrides = extra.get("config", {})
+        if not isinstance(overrides, Mapping):
+            raise ConfigError("kv_connector_extra_config.config must be a mapping")
+        path = extra.get("config_path")
+        return cls(
+            config_path=str(path) if path is not None else None,
+            config=dict(overrides),
+            vllm_block_hashes=bool(extra.get("vllm_block_hashes", True)),
+            save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRefs:
+    """Enough to key chunks ``first_chunk .. first_chunk + num_chunks - 1`` of a request.
+
+    In the vLLM-hash mode ``boundary_hashes`` holds vLLM's hash of the last block of
+    each of those chunks; otherwise ``token_ids`` holds the request's tokens from 0 to
+    the end of the last chunk (lmtier's chain starts at the first token).
+    """
+
+    cache_salt: str
+    first_chunk: int
+    num_chunks: int
+    boundary_hashes: tuple[bytes, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load tokens ``[start_token, end_token)`` of a request into its blocks.
+
+    ``end_token`` is a chunk boundary, ``start_token`` a block boundary (it may fall
+    inside the first chunk: vLLM's own prefix cache already holds the tokens before
+    it, and those blocks are never written). ``block_ids`` is the request's block
+    table from token 0.
+    """
+
+    req_id: str
+    refs: ChunkRefs
+    start_token: int
+    end_token: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the chunks of ``refs`` from the request's blocks (table from token 0)."""
+
+    req_id: str
+    refs: ChunkRefs
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class LMTierConnectorMetadata(KVConnectorMetadata):
+    """One step's work for every worker: loads before the forward pass, saves during it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted_req_ids: frozenset[str] = frozenset()
+
+
+def chunk_keys(cache: LMTier, refs: ChunkRefs) -> list[ChunkKey]:
+    """The storage keys of ``refs`` in ``cache``'s namespace (its TP rank included)."""
+    namespace = cache.namespace(refs.cache_salt)
+    if refs.boundary_hashes:
+        return [bind_block_hash(namespace, h) for h in refs.boundary_hashes]
+    if not refs.token_ids:
+        return []
+    keys = cache.keys(list(refs.token_ids), cache_salt=refs.cache_salt)
+    return keys[refs.first_chunk : refs.first_chunk + refs.num_chunks]
+
+
+# ---- key-level access (see the module docstring) ---------------------------------
+
+
+def lookup_keys(cache: LMTier, keys: Sequence[ChunkKey]) -> int:
+    """How many leading ``keys`` some tier of ``cache`` holds; a failing tier is a miss."""
+    if not keys:
+        return 0
+    return cache._lookup(keys).num_chunks
+
+
+def get_keys(cache: LMTier, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
+    """Load the leading servable chunks of ``keys`` (release each when copied out)."""
+    if not keys:
+        return []
+    return cache._runtime.run(cache.manager.get(keys))
+
+
+def acquire_slabs(cache: LMTier, count: int) -> list[SlabHandle]:
+    """Up to ``count`` free pool slabs (fewer, counted as drops, when all are busy)."""
+    return cache._runtime.run(cache._acquire(count)) if count > 0 else []
+
+
+def put_encoded(cache: LMTier, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
+    """Hand sealed slabs to the storage manager (it takes ownership of each lease)."""
+    if encoded:
+        cache._runtime.run(cache._put(encoded))
