@@ -70,13 +70,17 @@ def run(args: list[str], timeout_s: float) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
-def run_script(script: str, args: list[str], timeout_s: float) -> Result:
-    """Run ``benchmarks/<script>`` and return its last JSON line, with "ok"."""
-    code, output = run([sys.executable, str(ROOT / "benchmarks" / script), *args], timeout_s)
+def last_json(code: int, output: str) -> Result:
+    """A command's last JSON line, with "ok"; the output's tail when it failed."""
     lines = [line for line in output.strip().splitlines() if line.startswith("{")]
     if code != 0 or not lines:
         return {"ok": False, "exit_code": code, "tail": output[-3000:]}
     return {"ok": True, **json.loads(lines[-1])}
+
+
+def run_script(script: str, args: list[str], timeout_s: float) -> Result:
+    """Run ``benchmarks/<script>`` and return its last JSON line, with "ok"."""
+    return last_json(*run([sys.executable, str(ROOT / "benchmarks" / script), *args], timeout_s))
 
 
 @check("pytest_gpu", timeout_s=300)
@@ -97,6 +101,17 @@ def pytest_gpu(timeout_s: float) -> Result:
 def transfer(timeout_s: float) -> Result:
     """H2D/D2H of the transfer engine vs a pinned copy; layer-wise load overlap."""
     return run_script("bench_transfer.py", ["--quick", "--device", "cuda"], timeout_s)
+
+
+@check("vllm_connector", timeout_s=240)
+def vllm_connector(timeout_s: float) -> Result:
+    """Worker-side save/load of the vLLM connector on CUDA pages (needs vLLM importable)."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks');"
+        "from bench_vllm_connector import gpu_check_vllm_connector;"
+        "print(json.dumps(gpu_check_vllm_connector()))"
+    )
+    return last_json(*run([sys.executable, "-c", code], timeout_s))
 
 
 def main() -> None:

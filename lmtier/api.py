@@ -14,6 +14,10 @@
 It owns a :class:`~lmtier.runtime.Runtime` (one event loop thread) and the
 StorageManager on it; every method may be called from any thread. Token ids are
 hashed in the calling thread; only tier work goes through the loop.
+
+Engine integrations that already have chunk keys (the vLLM connector keys chunks
+by vLLM's block hashes) use the key-level methods: :meth:`LMTier.lookup_keys`,
+:meth:`LMTier.load_keys`, :meth:`LMTier.acquire_slabs` and :meth:`LMTier.put_encoded`.
 """
 
 from __future__ import annotations
@@ -213,16 +217,35 @@ class LMTier:
         result then counts from there.
         """
         keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
-        found = self._lookup(keys)
+        found = self.lookup_keys(keys)
         return CacheLookup(found.num_chunks * self.chunk_size, tuple(keys), found)
 
-    def _lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
+    def lookup_keys(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """Waterfall lookup of chunk keys: how many leading ones some tier holds."""
+        if not keys:
+            return Lookup(0, ())
         # In-memory indexes answer in this thread; only tiers that need I/O cost a
         # hop to the runtime's loop (~60 us here: more than the lookup itself).
         found = self.manager.lookup_now(keys)
         if found is None:
             found = self._runtime.run(self.manager.lookup(keys))
         return found
+
+    def load_keys(self, keys: Sequence[ChunkKey]) -> LoadResult:
+        """Load the leading servable chunks of ``keys`` (release the result when done)."""
+        chunks = self._runtime.run(self.manager.get(keys)) if keys else []
+        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis)
+
+    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+        """Up to ``count`` free host slabs to encode chunks into (evicting idle cached
+        chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
+        return self._runtime.run(self._acquire(count)) if count > 0 else []
+
+    def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
+        """Store chunks already encoded in slabs (``(key, lease, encoded length)``); takes
+        ownership of each lease. The CPU tier adopts them now, lower tiers in the background."""
+        if encoded:
+            self._runtime.run(self._put(encoded))
 
     def load(
         self,
@@ -239,9 +262,9 @@ class LMTier:
         recomputed, since its logits are needed. ``skip_tokens`` as in :meth:`lookup`:
         the result then holds the chunks from there on.
         """
-        keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
-        chunks = self._runtime.run(self.manager.get(keys))
-        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis)
+        return self.load_keys(
+            self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
+        )
 
     def store(
         self,
@@ -266,11 +289,11 @@ class LMTier:
                 f"kv covers {covered} tokens; {len(keys)} full chunks need "
                 f"{len(keys) * self.chunk_size}"
             )
-        present = self._lookup(keys).num_chunks
+        present = self.lookup_keys(keys).num_chunks
         stored = 0
         for first in range(present, len(keys), STORE_BATCH):
             batch = range(first, min(first + STORE_BATCH, len(keys)))
-            handles = self._runtime.run(self._acquire(len(batch)))
+            handles = self.acquire_slabs(len(batch))
             encoded: list[tuple[ChunkKey, SlabHandle, int]] = []
             try:
                 for index, handle in zip(batch, handles, strict=False):
@@ -281,7 +304,7 @@ class LMTier:
                 for handle in handles:
                     handle.release()
                 raise
-            self._runtime.run(self._put(encoded))
+            self.put_encoded(encoded)
             stored += len(encoded)
             if len(handles) < len(batch):
                 break  # the pool is exhausted by readers and pending writes: drop the rest

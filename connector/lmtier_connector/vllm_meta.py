@@ -144,24 +144,19 @@ def chunk_keys(cache: LMTier, refs: ChunkRefs) -> list[ChunkKey]:
 
 def lookup_keys(cache: LMTier, keys: Sequence[ChunkKey]) -> int:
     """How many leading ``keys`` some tier of ``cache`` holds; a failing tier is a miss."""
-    if not keys:
-        return 0
-    return cache._lookup(keys).num_chunks
+    return cache.lookup_keys(keys).num_chunks
 
 
 def get_keys(cache: LMTier, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
     """Load the leading servable chunks of ``keys`` (release each when copied out)."""
-    if not keys:
-        return []
-    return cache._runtime.run(cache.manager.get(keys))
+    return cache.load_keys(keys).chunks
 
 
 def acquire_slabs(cache: LMTier, count: int) -> list[SlabHandle]:
     """Up to ``count`` free pool slabs (fewer, counted as drops, when all are busy)."""
-    return cache._runtime.run(cache._acquire(count)) if count > 0 else []
+    return cache.acquire_slabs(count)
 
 
 def put_encoded(cache: LMTier, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
     """Hand sealed slabs to the storage manager (it takes ownership of each lease)."""
-    if encoded:
-        cache._runtime.run(cache._put(encoded))
+    cache.put_encoded(encoded)
