@@ -21,6 +21,21 @@ deleted the first time it is asked for, and start-up stays a listing of names. F
 are ordered by mtime, and every hit bumps the mtime (``os.utime`` on the open fd, in
 the same worker hop as the read), so LRU order survives a restart.
 
+Sharing a directory (a vLLM scheduler and its workers, two engines, a warm-up job):
+files other processes write after our open are found on demand. A lookup walks the
+index to the first key it lacks, ``lstat``-s that key's file (~2 us) and, if it
+exists, adopts it (indexed as most recently used, its size counted against capacity)
+and walks on: one stat per lookup when nothing is new, plus one per new file, found
+once. Reads and deletes try keys not indexed too, adopting the files they find.
+Lookups on any thread (``contains_now``) adopt as well, since a scheduler process
+only looks up and would otherwise re-stat the workers' files on every lookup; so index
+changes take a lock (uncontended, ~0.1 us), and adopting never evicts (unlinking off
+the loop would race its writes): the next put's reservation evicts down to capacity.
+Capacity is per process, LRU over the files it knows (adopted ones included): give
+every process sharing a directory the same ``capacity_bytes``. Bytes on disk may
+exceed it by files that no process has adopted yet. Temp files carry their writer's
+pid, so an opening process deletes only those of dead writers (or an hour old).
+
 Eviction: capacity counts file sizes on disk. Before a write starts, least recently
 used files are evicted (and unlinked) until it fits; a chunk larger than the whole
 capacity is refused and counted as an error.
@@ -46,7 +61,6 @@ executor hop per call: see benchmarks/bench_disk.py).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 from collections.abc import Sequence
@@ -58,8 +72,8 @@ from lmtier.errors import BackendUnavailable
 from lmtier.keys import ChunkKey
 from lmtier.stats import TierStats
 from lmtier.tier import Buffer, Tier, TierProperties
-from lmtier_backends.disk_index import CHUNK_SUFFIX, DiskIndex, scan_chunk_dir
-from lmtier_backends.disk_io import probe_direct, read_file, unlink_all, write_file
+from lmtier_backends.disk_index import CHUNK_SUFFIX, DiskIndex, admit, scan_chunk_dir, temp_name
+from lmtier_backends.disk_io import file_size, probe_direct, read_file, unlink_all, write_file
 
 __all__ = ["DiskTier", "open_tier"]
 
@@ -100,13 +114,14 @@ class DiskTier(Tier):
         self.io_threads = io_threads
         self.foreign_files = 0
         """Entries under ``path`` found at open that are not ours (left alone)."""
+        self.adopted_files = 0
+        """Chunk files found after open (written by other processes) and indexed."""
         self._index = DiskIndex(capacity_bytes)
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._writes: set[asyncio.Task[int]] = set()
         self._unlinks: dict[ChunkKey, asyncio.Future[list[OSError]]] = {}
         self._landed_watch: dict[int, set[ChunkKey]] = {}  # per read call in flight
-        self._temp_ids = itertools.count()
         self._warned: set[object] = set()
 
     @classmethod
@@ -168,10 +183,31 @@ class DiskTier(Tier):
         return self.contains_now(keys)
 
     def contains_now(self, keys: Sequence[ChunkKey]) -> int:
-        # The index is in memory: any thread may ask (dict membership is atomic).
-        # Latencies are recorded by the StorageManager, which wraps every tier call.
+        # Any thread may ask: membership tests are atomic under the GIL, and adopting
+        # takes the index's lock. Where the index stops, one stat looks for a file
+        # another process wrote (module docstring). Latencies are recorded by the
+        # StorageManager, which wraps every tier call.
         self.stats.lookups += len(keys)
-        return self._index.leading(keys) if self._pool is not None else 0
+        if self._pool is None:
+            return 0
+        found = self._index.leading(keys)
+        while found < len(keys) and self._discover(keys[found]):
+            found = self._index.leading(keys, found + 1)
+        return found
+
+    def _discover(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s file exists (one ``lstat``); if so it is indexed (adopted
+        unless it was already). Never raises: an OSError is a miss, counted."""
+        try:
+            size = file_size(self.path_of(key))
+        except OSError as exc:
+            self._count_error("stat", exc)
+            return False
+        if size is None or key in self._unlinks:  # absent, or being unlinked by us
+            return False
+        if self._index.adopt(key, size):
+            self.adopted_files += 1
+        return True
 
     async def _read_into(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
@@ -179,12 +215,13 @@ class DiskTier(Tier):
         pool = self._require_pool()
         loop = asyncio.get_running_loop()
         sizes: list[int | None] = [None] * len(keys)
-        wanted = [i for i, key in enumerate(keys) if key in self._index]
+        # Keys not indexed are read too: another process may have written them.
+        known = [key in self._index for key in keys]
         jobs = [
             loop.run_in_executor(
-                pool, read_file, self.path_of(keys[i]), buffers[i].cast("B"), self.direct_io
+                pool, read_file, self.path_of(key), buffer.cast("B"), self.direct_io
             )
-            for i in wanted
+            for key, buffer in zip(keys, buffers, strict=True)
         ]
         # Keys whose new file lands while we read: an ENOENT seen before it landed
         # must not drop the new entry from the index.
@@ -195,28 +232,39 @@ class DiskTier(Tier):
         finally:
             del self._landed_watch[id(landed)]
         bug: BaseException | None = None
-        for i, outcome in zip(wanted, outcomes, strict=True):
-            if isinstance(outcome, FileNotFoundError):  # deleted behind our back
-                if keys[i] not in landed:
-                    self._index.remove(keys[i])
+        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
+            if isinstance(outcome, FileNotFoundError):  # deleted behind our back, or absent
+                if known[i] and key not in landed:
+                    self._index.remove(key)
             elif isinstance(outcome, OSError):
                 self._count_error("read", outcome)
             elif isinstance(outcome, BaseException):
                 bug = bug or outcome
             else:
                 sizes[i] = outcome
-                if outcome is not None:
-                    self._index.touch(keys[i])
+                if outcome is None:
+                    continue
+                if not known[i] and key not in self._unlinks and self._index.adopt(key, outcome):
+                    self.adopted_files += 1
+                else:
+                    self._index.touch(key)
         if bug is not None:
             raise bug
         return sizes
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
-        waiting = self._admit(items)
+        waiting, too_large, dropped = admit(items, self.capacity_bytes)
+        self.stats.evictions += dropped  # older chunks of a batch larger than capacity
+        if too_large:
+            self.stats.errors += len(too_large)
+            msg = "%s: %d-byte chunk exceeds capacity %d; refused"
+            self._warn_once("too-large", msg, self.name, too_large[0], self.capacity_bytes)
         stored = 0
         while waiting:
             pool = self._require_pool()
-            writes, victims, waiting = self._reserve(waiting)
+            done, victims = self._index.reserve_prefix([(k, len(v)) for k, v in waiting])
+            self.stats.evictions += len(victims)
+            writes, waiting = waiting[:done], waiting[done:]
             if not writes:
                 # In-flight writes hold the room we need; they always finish, and what
                 # they leave becomes evictable. Back-pressure, not a drop: dropping is
@@ -233,54 +281,10 @@ class DiskTier(Tier):
             stored += await asyncio.shield(task)
         return stored
 
-    def _admit(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[tuple[ChunkKey, memoryview]]:
-        """The items worth writing, oldest first: the last of each key, none too large.
-
-        A batch larger than the capacity keeps its newest chunks, as if written one by
-        one under LRU; the older ones count as evicted.
-        """
-        latest = {key: memoryview(data).cast("B") for key, data in items}
-        budget = self.capacity_bytes
-        admitted: list[tuple[ChunkKey, memoryview]] = []
-        for key, view in reversed(latest.items()):
-            if len(view) > self.capacity_bytes:
-                self.stats.errors += 1
-                msg = "%s: %d-byte chunk exceeds capacity %d; refused"
-                self._warn_once("too-large", msg, self.name, len(view), self.capacity_bytes)
-            elif len(view) > budget:
-                self.stats.evictions += 1
-            else:
-                budget -= len(view)
-                admitted.append((key, view))
-        admitted.reverse()
-        return admitted
-
-    def _reserve(
-        self, items: list[tuple[ChunkKey, memoryview]]
-    ) -> tuple[
-        list[tuple[ChunkKey, memoryview, int]],
-        list[tuple[ChunkKey, int]],
-        list[tuple[ChunkKey, memoryview]],
-    ]:
-        """Reserve room for a prefix of ``items``, evicting LRU files.
-
-        Returns (writes, evicted files, items left waiting for writes in flight).
-        """
-        writes: list[tuple[ChunkKey, memoryview, int]] = []
-        victims: list[tuple[ChunkKey, int]] = []
-        for done, (key, view) in enumerate(items):
-            evicted = self._index.reserve(key, len(view))
-            if evicted is None:
-                return writes, victims, items[done:]
-            self.stats.evictions += len(evicted)
-            victims += evicted
-            writes.append((key, view, len(view)))
-        return writes, victims, []
-
     async def _write(
         self,
         pool: ThreadPoolExecutor,
-        writes: list[tuple[ChunkKey, memoryview, int]],
+        writes: list[tuple[ChunkKey, memoryview]],
         victims: list[tuple[ChunkKey, int]],
     ) -> int:
         loop = asyncio.get_running_loop()
@@ -288,7 +292,7 @@ class DiskTier(Tier):
             await self._unlink(pool, [key for key, _ in victims])
         # A file of the same key still being unlinked (evicted or deleted by another
         # call) must be gone before our rename, or the unlink would take the new file.
-        pending = {id(f): f for key, _, _ in writes if (f := self._unlinks.get(key))}
+        pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
         if pending:
             await asyncio.wait(pending.values())
         jobs = [
@@ -296,25 +300,25 @@ class DiskTier(Tier):
                 pool,
                 write_file,
                 self.path_of(key),
-                f"{self._temp_dir}/{key.hex()}.{next(self._temp_ids)}.tmp",
+                f"{self._temp_dir}/{temp_name(key)}",
                 view,
                 self.direct_io,
                 self.fsync,
             )
-            for key, view, _ in writes
+            for key, view in writes
         ]
         outcomes = await asyncio.gather(*jobs, return_exceptions=True)
         stored = 0
         bug: BaseException | None = None
-        for (key, view, size), outcome in zip(writes, outcomes, strict=True):
+        for (key, view), outcome in zip(writes, outcomes, strict=True):
             if outcome is None:
-                self._index.commit(key, size)
+                self._index.commit(key, len(view))
                 for watch in self._landed_watch.values():
                     watch.add(key)
                 stored += 1
                 self.stats.bytes_written += len(view)
                 continue
-            self._index.abort(key, size)
+            self._index.abort(key, len(view))
             if isinstance(outcome, OSError):
                 self._count_error("write", outcome)
             else:
@@ -327,9 +331,13 @@ class DiskTier(Tier):
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         # A write of the same key already in flight may land before or after the
         # unlink; if before, the index keeps an entry without a file, which the next
-        # read drops (a miss, never wrong bytes).
+        # read drops (a miss, never wrong bytes). Files other processes wrote go too.
         pool = self._require_pool()
-        removed = [key for key in dict.fromkeys(keys) if self._index.remove(key) is not None]
+        removed = [
+            key
+            for key in dict.fromkeys(keys)
+            if (key in self._index or self._discover(key)) and self._index.remove(key) is not None
+        ]
         if removed:
             await self._unlink(pool, removed)
         return len(removed)

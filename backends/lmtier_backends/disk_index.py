@@ -6,28 +6,78 @@ never opens a file. A file that turns out to be corrupt is found, counted and de
 when it is first read. The mtime orders the index (oldest first, evicted first); the
 tier bumps it on every hit so that recency survives a restart.
 
-:class:`DiskIndex` also does the capacity bookkeeping. It runs on the event loop only
-(worker threads never touch it), so it needs no lock.
+:class:`DiskIndex` also does the capacity bookkeeping. The event loop's thread does
+all of it but one thing: :meth:`DiskIndex.adopt`, which indexes a file another process
+wrote, is called from any thread that looks chunks up (``Tier.contains_now``). So every
+change to the index, and :meth:`DiskIndex.reserve`'s walk over it, holds one lock
+(uncontended: ~0.1 us); membership tests (:meth:`DiskIndex.leading`) take none, being
+atomic under the GIL.
+
+Several processes may share one directory, so the start-up scan tolerates files that
+vanish under it, and deletes only the temp files no live process may still be writing.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
+import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lmtier.keys import ChunkKey
+from lmtier.tier import Buffer
 
-__all__ = ["CHUNK_SUFFIX", "DiskIndex", "ScanResult", "scan_chunk_dir"]
+__all__ = [
+    "CHUNK_SUFFIX",
+    "DiskIndex",
+    "ScanResult",
+    "admit",
+    "scan_chunk_dir",
+    "temp_name",
+]
 
 logger = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".lmtc"
 _CHUNK_NAME = re.compile(r"[0-9a-f]{64}\.lmtc")
 _SHARD_NAMES = tuple(f"{i:02x}" for i in range(256))
+TEMP_MAX_AGE_S = 3600.0
+"""A temp file older than this is debris even if the process that named it still runs."""
+_temp_ids = itertools.count()  # per process, shared by every tier: names never collide
+
+
+def temp_name(key: ChunkKey) -> str:
+    """A fresh temp file name for a write of ``key``: ``<key>.<pid>.<n>.tmp``.
+
+    The pid keeps processes sharing a directory apart (O_EXCL would refuse a clash),
+    and tells another process's start-up scan whether the write may still be running.
+    """
+    return f"{key.hex()}.{os.getpid()}.{next(_temp_ids)}.tmp"
+
+
+def _maybe_in_flight(entry: os.DirEntry[str], now: float) -> bool:
+    """Whether temp file ``entry`` may be a write still in flight: named by
+    :func:`temp_name` in a process that still runs, and under ``TEMP_MAX_AGE_S`` old."""
+    parts = entry.name.split(".")
+    if len(parts) != 4 or not parts[1].isdigit() or int(parts[1]) <= 0:
+        return False
+    try:
+        os.kill(int(parts[1]), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    except (OverflowError, OSError):
+        return False
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime < TEMP_MAX_AGE_S
+    except FileNotFoundError:
+        return True  # renamed into place (or removed) meanwhile: not ours to touch
 
 
 @dataclass(slots=True)
@@ -45,19 +95,25 @@ def scan_chunk_dir(root: str) -> ScanResult:
     """Create ``root``'s shard and tmp directories, delete temp files, list chunk files.
 
     Blocking; run it in a worker thread. Temp files are debris of writes that never
-    reached ``os.replace`` (a crash): no reader can see them, so they go.
+    reached ``os.replace`` (a crash): no reader can see them, so they go, except those
+    another live process may still be writing (:func:`temp_name`). Files that vanish
+    during the scan (another process evicting) are skipped.
     """
     result = ScanResult()
     tmp_dir = os.path.join(root, "tmp")
     os.makedirs(tmp_dir, exist_ok=True)
     for shard in _SHARD_NAMES:
         os.makedirs(os.path.join(root, shard), exist_ok=True)
+    now = time.time()
     with os.scandir(tmp_dir) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 result.foreign.append(entry.path)
-            else:
-                os.unlink(entry.path)
+            elif not _maybe_in_flight(entry, now):
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue  # renamed into place, or another process's scan took it
                 result.removed_temps += 1
     shards = set(_SHARD_NAMES)
     with os.scandir(root) as entries:
@@ -75,7 +131,10 @@ def scan_chunk_dir(root: str) -> ScanResult:
                     and _CHUNK_NAME.fullmatch(name)
                     and entry.is_file(follow_symlinks=False)
                 ):
-                    st = entry.stat(follow_symlinks=False)
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # evicted by another process sharing the directory
                     size = sizes.setdefault(st.st_size, st.st_size)
                     found.append((st.st_mtime_ns, ChunkKey(bytes.fromhex(name[:64])), size))
                 else:
@@ -83,6 +142,32 @@ def scan_chunk_dir(root: str) -> ScanResult:
     found.sort(key=lambda item: item[0])
     result.entries = [(key, size) for _, key, size in found]
     return result
+
+
+def admit(
+    items: Sequence[tuple[ChunkKey, Buffer]], capacity: int
+) -> tuple[list[tuple[ChunkKey, memoryview]], list[int], int]:
+    """The items of a put worth writing, oldest first: the last of each key, none too large.
+
+    A batch larger than ``capacity`` keeps its newest chunks, as if written one by one
+    under LRU. Returns (those items, the sizes of chunks larger than ``capacity``: they
+    are refused, how many older chunks were left out: they count as evicted).
+    """
+    latest = {key: memoryview(data).cast("B") for key, data in items}
+    budget = capacity
+    admitted: list[tuple[ChunkKey, memoryview]] = []
+    too_large: list[int] = []
+    dropped = 0
+    for key, view in reversed(latest.items()):
+        if len(view) > capacity:
+            too_large.append(len(view))
+        elif len(view) > budget:
+            dropped += 1
+        else:
+            budget -= len(view)
+            admitted.append((key, view))
+    admitted.reverse()
+    return admitted, too_large, dropped
 
 
 class DiskIndex:
@@ -97,9 +182,13 @@ class DiskIndex:
 
     Keys being written are never chosen for eviction: their new file is about to land
     as the most recent entry, and unlinking under a write could delete the new file.
+
+    Files another process wrote join through :meth:`adopt` and count like any other;
+    adopting never evicts (it may run outside the event loop), so ``used`` may exceed
+    ``capacity`` until the next :meth:`reserve`, which evicts down to it.
     """
 
-    __slots__ = ("_indexed", "_reserved", "_sizes", "_writing", "capacity")
+    __slots__ = ("_indexed", "_lock", "_reserved", "_sizes", "_writing", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -107,6 +196,7 @@ class DiskIndex:
         self._writing: Counter[ChunkKey] = Counter()
         self._indexed = 0
         self._reserved = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -121,25 +211,46 @@ class DiskIndex:
 
     def load(self, entries: Iterable[tuple[ChunkKey, int]]) -> None:
         """Add scanned files, oldest first. Files beyond capacity stay until evicted."""
-        for key, size in entries:
-            self._sizes[key] = size
-            self._indexed += size
+        with self._lock:
+            for key, size in entries:
+                self._sizes[key] = size
+                self._indexed += size
 
     def keys(self) -> list[ChunkKey]:
         """Indexed keys, least recently used first."""
-        return list(self._sizes)
+        with self._lock:
+            return list(self._sizes)
 
-    def leading(self, keys: Sequence[ChunkKey]) -> int:
-        """How many of ``keys``, from the first, are indexed."""
-        for count, key in enumerate(keys):
-            if key not in self._sizes:
+    def leading(self, keys: Sequence[ChunkKey], start: int = 0) -> int:
+        """Index of the first of ``keys[start:]`` not indexed; ``len(keys)`` if none.
+
+        Lock-free, so any thread may call it: dict membership is atomic under the GIL.
+        """
+        sizes = self._sizes
+        rest = itertools.islice(keys, start, None) if start else keys
+        for count, key in enumerate(rest, start):
+            if key not in sizes:
                 return count
         return len(keys)
 
+    def adopt(self, key: ChunkKey, size: int) -> bool:
+        """Index a file found on disk (another process wrote it) as most recently used.
+
+        Any thread may call it. False, and nothing changes, if ``key`` is indexed
+        already. Never evicts: the next :meth:`reserve` brings ``used`` back down.
+        """
+        with self._lock:
+            if key in self._sizes:
+                return False
+            self._sizes[key] = size
+            self._indexed += size
+            return True
+
     def touch(self, key: ChunkKey) -> None:
         """Mark a hit: move ``key`` to the most recently used end."""
-        if key in self._sizes:
-            self._sizes.move_to_end(key)
+        with self._lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
 
     def reserve(self, key: ChunkKey, size: int) -> list[tuple[ChunkKey, int]] | None:
         """Make room for a write of ``size`` bytes to ``key`` and count it as in flight.
@@ -148,36 +259,58 @@ class DiskIndex:
         before writing; None when the write cannot fit even after evicting everything
         evictable (nothing is evicted then: the rest is held by writes in flight).
         """
-        pinned = sum(self._sizes.get(k, 0) for k in self._writing)
-        if self._reserved + pinned + size > self.capacity:
-            return None
+        with self._lock:
+            pinned = sum(self._sizes.get(k, 0) for k in self._writing)
+            if self._reserved + pinned + size > self.capacity:
+                return None
+            victims: list[tuple[ChunkKey, int]] = []
+            excess = self.used + size - self.capacity
+            for victim, victim_size in self._sizes.items():  # least recently used first
+                if excess <= 0:
+                    break
+                if victim not in self._writing:
+                    victims.append((victim, victim_size))
+                    excess -= victim_size
+            for victim, _ in victims:
+                self._remove(victim)
+            self._writing[key] += 1
+            self._reserved += size
+            return victims
+
+    def reserve_prefix(
+        self, items: Sequence[tuple[ChunkKey, int]]
+    ) -> tuple[int, list[tuple[ChunkKey, int]]]:
+        """:meth:`reserve` each (key, size) of ``items`` in turn until one does not fit.
+
+        Returns how many were reserved, and the (key, size) of every file evicted.
+        """
         victims: list[tuple[ChunkKey, int]] = []
-        excess = self.used + size - self.capacity
-        for victim, victim_size in self._sizes.items():  # least recently used first
-            if excess <= 0:
-                break
-            if victim not in self._writing:
-                victims.append((victim, victim_size))
-                excess -= victim_size
-        for victim, _ in victims:
-            self.remove(victim)
-        self._writing[key] += 1
-        self._reserved += size
-        return victims
+        for done, (key, size) in enumerate(items):
+            evicted = self.reserve(key, size)
+            if evicted is None:
+                return done, victims
+            victims += evicted
+        return len(items), victims
 
     def commit(self, key: ChunkKey, size: int) -> None:
         """A reserved write landed: index it as most recent, replacing any older file."""
-        self._end_write(key, size)
-        self.remove(key)
-        self._sizes[key] = size
-        self._indexed += size
+        with self._lock:
+            self._end_write(key, size)
+            self._remove(key)
+            self._sizes[key] = size
+            self._indexed += size
 
     def abort(self, key: ChunkKey, size: int) -> None:
         """A reserved write failed: release its bytes."""
-        self._end_write(key, size)
+        with self._lock:
+            self._end_write(key, size)
 
     def remove(self, key: ChunkKey) -> int | None:
         """Drop ``key`` from the index; its size, or None if absent."""
+        with self._lock:
+            return self._remove(key)
+
+    def _remove(self, key: ChunkKey) -> int | None:
         size = self._sizes.pop(key, None)
         if size is not None:
             self._indexed -= size

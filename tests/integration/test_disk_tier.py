@@ -1,5 +1,6 @@
 """The disk tier against real files: round trips, restarts, corruption, eviction, ENOSPC
-on a small tmpfs, O_DIRECT and its fallback, concurrency, crash debris.
+on a small tmpfs, O_DIRECT and its fallback, concurrency, crash debris, and one
+directory shared by several tiers or processes.
 
 Coroutines run under ``asyncio.run`` inside plain tests (no pytest-asyncio).
 """
@@ -12,12 +13,15 @@ import errno
 import logging
 import mmap
 import os
+import pickle
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from unittest import mock
 
 import pytest
 
@@ -545,3 +549,212 @@ def test_cancelled_put_still_lands_and_close_waits_for_it(tmp_path: Path) -> Non
         await tier.close()
 
     run(reopen)
+
+
+# --- sharing a directory with other processes -------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["contains", "contains_now", "get_into"])
+def test_chunks_another_tier_writes_are_found_without_reopening(tmp_path: Path, how: str) -> None:
+    # Two tiers on one directory stand for two processes: neither rescans after open.
+    chunks = [make_chunk(seed=i) for i in range(6)]
+    keys = [key for key, _ in chunks]
+
+    async def scenario() -> None:
+        ours = await DiskTier.open(tmp_path, GIB)
+        theirs = await DiskTier.open(tmp_path, GIB)
+        assert await ours.put(chunks[:2]) == 2
+        assert await theirs.put(chunks[2:]) == 4
+        if how == "contains":
+            assert await ours.contains(keys) == 6
+        elif how == "contains_now":  # from a thread other than the loop's, as lookups do
+            assert await asyncio.to_thread(ours.contains_now, keys) == 6
+        else:
+            assert await read_back(ours, keys) == [data for _, data in chunks]
+        assert (ours.adopted_files, len(ours), ours.used_bytes) == (4, 6, 6 * CHUNK_LEN)
+        assert await ours.contains(keys) == 6  # adopted: no second discovery
+        assert await read_back(ours, keys) == [data for _, data in chunks]
+        assert ours.adopted_files == 4
+        assert ours.stats.errors == theirs.stats.errors == 0
+        await ours.close()
+        await theirs.close()
+
+    run(scenario)
+
+
+def test_delete_removes_files_another_tier_wrote(tmp_path: Path) -> None:
+    chunks = [make_chunk(seed=i) for i in range(3)]
+
+    async def scenario() -> None:
+        ours = await DiskTier.open(tmp_path, GIB)
+        theirs = await DiskTier.open(tmp_path, GIB)
+        await theirs.put(chunks)
+        assert await ours.delete([chunks[0][0], random_key()]) == 1
+        assert (len(chunk_files(tmp_path)), ours.used_bytes) == (2, 0)
+        assert await theirs.contains([key for key, _ in chunks]) == 3  # its index is a hint
+        assert await read_back(theirs, [chunks[0][0]]) == [None]  # a read finds it gone
+        assert await theirs.contains([key for key, _ in chunks]) == 0
+        await ours.close()
+        await theirs.close()
+
+    run(scenario)
+
+
+def test_lookup_of_absent_keys_costs_one_stat_per_call(tmp_path: Path) -> None:
+    chunks = [make_chunk(seed=i) for i in range(3)]
+    keys = [key for key, _ in chunks] + [random_key() for _ in range(20)]
+
+    async def scenario() -> None:
+        ours = await DiskTier.open(tmp_path, GIB)
+        theirs = await DiskTier.open(tmp_path, GIB)
+        with mock.patch("os.stat", wraps=os.stat) as stat:
+            assert [ours.contains_now(keys) for _ in range(5)] == [0] * 5
+            assert stat.call_count == 5  # the first key, once per call
+            await theirs.put(chunks)
+            stat.reset_mock()
+            assert ours.contains_now(keys) == 3
+            assert stat.call_count == 4  # the three new files, then the first absent key
+            stat.reset_mock()
+            assert await ours.contains(keys) == 3
+            assert ours.contains_now(keys[:3]) == 3
+            assert stat.call_count == 1  # only the absent key: the rest are indexed
+        await ours.close()
+        await theirs.close()
+
+    run(scenario)
+
+
+def test_adopted_files_count_against_capacity(tmp_path: Path) -> None:
+    ours_chunks = [make_chunk(seed=i) for i in range(4)]
+    their_chunks = [make_chunk(seed=10 + i) for i in range(3)]
+    their_keys = [key for key, _ in their_chunks]
+
+    async def scenario() -> None:
+        ours = await DiskTier.open(tmp_path, 4 * CHUNK_LEN)
+        theirs = await DiskTier.open(tmp_path, 4 * CHUNK_LEN)
+        await ours.put(ours_chunks[:2])
+        await theirs.put(their_chunks)
+        # Adopting never evicts (it may run off the loop): over capacity until a put.
+        assert await asyncio.to_thread(ours.contains_now, their_keys) == 3
+        assert ours.used_bytes == 5 * CHUNK_LEN == bytes_on_disk(tmp_path)
+        await ours.put(ours_chunks[2:3])  # evicts our two older chunks: LRU
+        assert ours.used_bytes == 4 * CHUNK_LEN == bytes_on_disk(tmp_path)
+        assert ours.stats.evictions == 2
+        assert await ours.contains([key for key, _ in ours_chunks[:2]]) == 0
+        await ours.put(ours_chunks[3:])  # now the least recent is their first chunk
+        assert ours.used_bytes == 4 * CHUNK_LEN == bytes_on_disk(tmp_path)
+        assert await ours.contains(their_keys) == 0
+        assert await ours.contains(their_keys[1:]) == 2
+        assert await read_back(theirs, their_keys[:1]) == [None]  # a miss over there
+        assert (len(theirs), theirs.used_bytes) == (2, 2 * CHUNK_LEN)
+        await ours.close()
+        await theirs.close()
+
+    run(scenario)
+
+
+def test_adopting_from_other_threads_while_the_loop_evicts(tmp_path: Path) -> None:
+    # contains_now adopts from lookup threads while puts evict on the loop: the index
+    # must neither raise (mutated during iteration) nor lose count of its bytes.
+    written: list[ChunkKey] = []  # the other tier's keys, newest last
+
+    async def scenario() -> None:
+        ours = await DiskTier.open(tmp_path, 16 * CHUNK_LEN, fsync=False)
+        theirs = await DiskTier.open(tmp_path, GIB, fsync=False)
+        stop = time.monotonic() + 1.0
+
+        def lookups() -> int:
+            calls = 0
+            while time.monotonic() < stop:
+                ours.contains_now(written[-8:])
+                calls += 1
+            return calls
+
+        threads = [asyncio.ensure_future(asyncio.to_thread(lookups)) for _ in range(2)]
+        seed = 0
+        while time.monotonic() < stop:
+            batch = [make_chunk(seed=seed + i) for i in range(6)]
+            seed += 6
+            await theirs.put(batch[:4])
+            written.extend(key for key, _ in batch[:4])
+            await ours.put(batch[4:])  # evicts: adopted files and our own
+        assert all(calls > 0 for calls in await asyncio.gather(*threads))
+        assert ours.adopted_files > 0
+        assert ours.stats.errors == 0
+        assert ours.used_bytes == len(ours) * CHUNK_LEN
+        await ours.put([make_chunk(seed=seed)])  # back within capacity
+        assert ours.used_bytes <= 16 * CHUNK_LEN
+        await ours.close()
+        await theirs.close()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, to make races likely
+    try:
+        run(scenario)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+_WRITER = """
+import asyncio, pickle, sys
+from lmtier_backends.disk import DiskTier
+
+async def main():
+    with open(sys.argv[2], "rb") as file:
+        chunks = pickle.load(file)
+    tier = await DiskTier.open(sys.argv[1], 1 << 30)
+    stored = await tier.put(chunks)
+    await tier.close()
+    sys.exit(0 if stored == len(chunks) else 1)
+
+asyncio.run(main())
+"""
+
+
+def test_chunks_another_process_writes_are_found(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    chunks = [make_chunk(seed=i) for i in range(5)]
+    keys = [key for key, _ in chunks]
+    (tmp_path / "chunks.pkl").write_bytes(pickle.dumps(chunks))
+
+    async def scenario() -> None:
+        tier = await DiskTier.open(cache, GIB)
+        await tier.put(chunks[:1])
+        assert tier.contains_now(keys) == 1
+        script = [sys.executable, "-c", _WRITER, str(cache), str(tmp_path / "chunks.pkl")]
+        await asyncio.to_thread(subprocess.run, script, check=True, timeout=120)
+        assert tier.contains_now(keys) == 5
+        assert await tier.contains(keys) == 5
+        assert await read_back(tier, keys) == [data for _, data in chunks]
+        assert (tier.adopted_files, tier.used_bytes) == (4, 5 * CHUNK_LEN)
+        assert temp_files(cache) == []
+        await tier.close()
+
+    run(scenario)
+
+
+def test_open_spares_temp_files_of_live_writers(tmp_path: Path) -> None:
+    # Another process sharing the directory may be writing: its temp files stay.
+    key = random_key()
+    tmp_dir = tmp_path / "v1" / "tmp"
+    tmp_dir.mkdir(parents=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    live = tmp_dir / f"{key.hex()}.{os.getpid()}.3.tmp"
+    dead = tmp_dir / f"{key.hex()}.{int(finished.stdout)}.4.tmp"
+    stale = tmp_dir / f"{key.hex()}.{os.getpid()}.5.tmp"
+    for path in (live, dead, stale):
+        path.write_bytes(b"partial")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+
+    async def scenario() -> None:
+        tier = await DiskTier.open(tmp_path, GIB)
+        assert temp_files(tmp_path) == [live]
+        await tier.close()
+
+    run(scenario)
