@@ -5,8 +5,16 @@ A 4096-token request, Llama-8B-like per-rank geometry scaled down (8 layers, 8 K
 (strided ``[B, H, N, C]`` views of one buffer, block-outermost). *save*: gather the
 request's pages into pool slabs, seal and store them (the connector's full save path,
 background thread included); *load*: read the chunks from the CPU tier and scatter
-them into other blocks. Baseline: ``torch`` copying the same bytes between two
-preallocated buffers. Prints one JSON object as its last line.
+them into other blocks. Baselines: ``torch`` copying the same bytes between two
+preallocated buffers (``torch_copy``), and ``torch`` copying the request's pages into
+one chunk-layout buffer (``torch_relayout``: vLLM's ``[B, H, N, C]`` pages put heads
+before tokens, a chunk tokens before heads, so every gather or scatter is this
+transposing copy of 256-byte rows, the floor for one copy in this layout).
+Stages (median ms): save = ``prepare`` (keys, lookup, slabs) + ``gather`` (pages into
+slabs, the forward-path part) + ``seal_store`` (checksum and CPU-tier put, on the save
+thread); load = read + scatter. ``--threads`` sets ``torch.set_num_threads`` for
+connector and baselines alike (default 1: this 2-core machine's 2-thread copies
+are unstable against the save thread). Prints one JSON object as its last line.
 
 ``gpu_check_vllm_connector()`` runs the same on CUDA pages (pinned slabs).
 """
@@ -47,6 +55,16 @@ def _vllm_views(num_blocks: int, device: str) -> dict[str, torch.Tensor]:
     return {f"layers.{i}": raw[:, i] for i in range(LAYERS)}
 
 
+def _relayout(kv: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    """The request's pages (blocks 0..) into one (L, 2, T, H, D) buffer, by torch."""
+    raw = kv["layers.0"].as_strided(
+        (TOKENS // BLOCK, LAYERS, HEADS, BLOCK, 2 * DIM),
+        (LAYERS * HEADS * BLOCK * 2 * DIM, HEADS * BLOCK * 2 * DIM, BLOCK * 2 * DIM, 2 * DIM, 1),
+    )
+    pages = raw.view(*raw.shape[:-1], 2, DIM).permute(1, 4, 0, 3, 2, 5)
+    out.view(LAYERS, 2, TOKENS // BLOCK, BLOCK, HEADS, DIM).copy_(pages)
+
+
 def _run(device: str, repeats: int) -> dict[str, Any]:
     num_blocks = 2 * TOKENS // BLOCK + 8
     kv = _vllm_views(num_blocks, device)
@@ -64,7 +82,9 @@ def _run(device: str, repeats: int) -> dict[str, Any]:
     nbytes = TOKENS * spec.bytes_per_token
     src_blocks = tuple(range(TOKENS // BLOCK))
     dst_blocks = tuple(range(TOKENS // BLOCK, 2 * TOKENS // BLOCK))
-    save_s, load_s, copy_s = [], [], []
+    save_s, load_s, copy_s, relayout_s = [], [], [], []
+    stages: dict[str, list[float]] = {"prepare": [], "gather": [], "seal_store": []}
+    chunk_buf = torch.empty(spec.shape(TOKENS), dtype=torch.float16, device=device)
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty(nbytes, dtype=torch.uint8, device=device if device == "cpu" else "cpu")
     for rep in range(repeats):
@@ -72,9 +92,15 @@ def _run(device: str, repeats: int) -> dict[str, Any]:
         refs = ChunkRefs("", 0, TOKENS // CHUNK, token_ids=tokens)
         started = time.perf_counter()
         worker.start_load(LMTierConnectorMetadata(saves=[SaveSpec(f"r{rep}", refs, src_blocks)]))
+        prepared = time.perf_counter()
         worker.wait_for_save()
+        gathered = time.perf_counter()
         worker._writer.submit(lambda: None).result()
-        save_s.append(time.perf_counter() - started)
+        stored = time.perf_counter()
+        save_s.append(stored - started)
+        stages["prepare"].append(prepared - started)
+        stages["gather"].append(gathered - prepared)
+        stages["seal_store"].append(stored - gathered)
         load = LoadSpec(f"l{rep}", refs, 0, TOKENS, dst_blocks)
         started = time.perf_counter()
         worker.start_load(LMTierConnectorMetadata(loads=[load]))
@@ -88,24 +114,39 @@ def _run(device: str, repeats: int) -> dict[str, Any]:
         if device != "cpu":
             torch.cuda.synchronize()
         copy_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        _relayout(kv, chunk_buf)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        relayout_s.append(time.perf_counter() - started)
     # The first rounds touch fresh pool memory (1.5 GB/s here, DESIGN 10): drop them;
     # the 320 MiB CPU tier then recycles warm slabs, as a long-running server does.
     save_s, load_s, copy_s = save_s[WARMUP:], load_s[WARMUP:], copy_s[WARMUP:]
+    relayout_s = relayout_s[WARMUP:]
+    ms = {name: round(1e3 * statistics.median(x[WARMUP:]), 2) for name, x in stages.items()}
     first = kv["layers.0"]
     exact = torch.equal(first[list(src_blocks)], first[list(dst_blocks)])
     worker.shutdown()
     cache.close()
     gb = nbytes / 1e9
-    save, load, copy = (gb / statistics.median(x) for x in (save_s, load_s, copy_s))
+    save, load, copy, relayout = (
+        gb / statistics.median(x) for x in (save_s, load_s, copy_s, relayout_s)
+    )
     return {
         "device": device,
+        "threads": torch.get_num_threads(),
         "tokens": TOKENS,
         "bytes": nbytes,
         "save_gbps": round(save, 2),
         "load_gbps": round(load, 2),
         "torch_copy_gbps": round(copy, 2),
+        "torch_relayout_gbps": round(relayout, 2),
+        "save_ms": {**ms, "total": round(1e3 * statistics.median(save_s), 2)},
+        "load_ms": round(1e3 * statistics.median(load_s), 2),
         "save_vs_copy": round(save / copy, 3),
         "load_vs_copy": round(load / copy, 3),
+        "save_vs_relayout": round(save / relayout, 3),
+        "load_vs_relayout": round(load / relayout, 3),
         "bit_exact": exact,
     }
 
@@ -120,7 +161,9 @@ def gpu_check_vllm_connector() -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (< 60 s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     result = _run("cpu", WARMUP + (3 if args.quick else 10))
     print(json.dumps(result))
 

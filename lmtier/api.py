@@ -37,7 +37,7 @@ from lmtier.kv_spec import KVSource, KVSpec, chunk_tensor, encode_kv_into, kv_nu
 from lmtier.memory import HostPool, SlabHandle
 from lmtier.plugins import open_tiers
 from lmtier.runtime import Runtime
-from lmtier.storage_manager import LoadedChunk, Lookup, StorageManager
+from lmtier.storage_manager import EvictListener, LoadedChunk, Lookup, StorageManager
 from lmtier.tokens import TokenInput
 
 __all__ = ["CacheLookup", "LMTier", "LoadResult"]
@@ -343,6 +343,29 @@ class LMTier:
         if max_tokens is not None:
             keys = keys[: max(0, max_tokens) // self.chunk_size]
         return keys[skip_tokens // self.chunk_size :]
+
+    def add_evict_listener(self, callback: EvictListener) -> None:
+        """Call ``callback(key)`` with the key of every chunk the CPU tier evicts from
+        now on (the chunk may still be in a lower tier). Registration is thread-safe;
+        the callback runs on the runtime's loop thread, inside the eviction, so it must
+        be quick, thread-safe with respect to the caller's own state, and must not call
+        back into this cache. One that raises is logged and ignored."""
+        manager = self.manager
+        self._runtime.run(self._add_evict_listener(manager, callback))
+
+    def remove_evict_listener(self, callback: EvictListener) -> None:
+        """Stop calling ``callback`` (a no-op once the cache is closed)."""
+        manager = self._manager
+        if manager is not None:
+            self._runtime.run(self._remove_evict_listener(manager, callback))
+
+    @staticmethod
+    async def _add_evict_listener(manager: StorageManager, callback: EvictListener) -> None:
+        manager.add_evict_listener(callback)
+
+    @staticmethod
+    async def _remove_evict_listener(manager: StorageManager, callback: EvictListener) -> None:
+        manager.remove_evict_listener(callback)
 
     def flush(self) -> None:
         """Wait until background writes queued so far have been attempted."""

@@ -74,6 +74,10 @@ class CPUTier(Tier):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is cached (no stats, no recency change; any thread)."""
+        return key in self._entries
+
     @property
     def nbytes(self) -> int:
         """Bytes held, in whole slabs."""

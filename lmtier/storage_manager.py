@@ -14,6 +14,9 @@ what differs between tiers is in their :class:`~lmtier.tier.TierProperties`.
 * **put** lands in the CPU tier synchronously and goes to each ``write_through``
   tier through a bounded queue; ``write_back`` tiers get chunks the CPU tier evicts.
   A full queue drops the write and counts it: inference never waits on storage.
+* **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
+  every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
+  be in a lower tier); an engine integration uses it to announce removals.
 * **failures**: every call to a byte tier goes through :meth:`StorageManager._guarded`:
   a timeout (the tier's ``timeout_s``, else the manager's default), an exception
   turned into a miss and a counter, and a per-tier :class:`~lmtier.breaker.CircuitBreaker`
@@ -39,7 +42,7 @@ from lmtier.keys import ChunkKey
 from lmtier.memory import SlabHandle
 from lmtier.tier import Tier
 
-__all__ = ["LoadedChunk", "Lookup", "StorageManager", "TierSpan"]
+__all__ = ["EvictListener", "LoadedChunk", "Lookup", "StorageManager", "TierSpan"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ DEFAULT_CALL_TIMEOUT_S = 10.0
 """Timeout of a tier call when the tier declares none: even a local disk can hang."""
 
 T = TypeVar("T")
+
+EvictListener = Callable[[ChunkKey], None]
+"""Told the key of a chunk the CPU tier evicted; runs on the runtime's loop thread,
+inside the eviction, so it must be quick and must not call back into the manager."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +136,8 @@ class StorageManager:
         self._queues: dict[str, asyncio.Queue[_Write]] = {}
         self._writers: list[asyncio.Task[None]] = []
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
-        memory.on_evict = self._on_evict if self._write_back else None
+        self._evict_listeners: list[EvictListener] = []
+        memory.on_evict = self._on_evict
         self._closed = False
 
     async def start(self) -> None:
@@ -285,10 +293,29 @@ class StorageManager:
                 self._enqueue(tier, key, handle, size)
         self.memory.adopt(key, handle, size)
 
+    def add_evict_listener(self, callback: EvictListener) -> None:
+        """Call ``callback(key)`` for every chunk the CPU tier evicts from now on, in
+        eviction order, on the runtime's loop thread (see :data:`EvictListener`).
+
+        A listener that raises is logged and ignored: it never breaks an eviction.
+        Call on the loop thread (:meth:`lmtier.api.LMTier.add_evict_listener` does).
+        """
+        self._evict_listeners.append(callback)
+
+    def remove_evict_listener(self, callback: EvictListener) -> None:
+        """Stop calling ``callback``; a callback never added is ignored."""
+        if callback in self._evict_listeners:
+            self._evict_listeners.remove(callback)
+
     def _on_evict(self, key: ChunkKey, handle: SlabHandle, size: int) -> None:
         for tier in self._write_back:
             self._enqueue(tier, key, handle, size)
         handle.release()
+        for listener in tuple(self._evict_listeners):
+            try:
+                listener(key)
+            except Exception:
+                logger.exception("evict listener %r failed on %s", listener, key)
 
     def _enqueue(self, tier: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
         queue = self._queues.get(tier.name)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import VllmConfig
-from vllm.distributed.kv_events import KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.utils.torch_utils import get_kv_cache_torch_dtype
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, load_config
@@ -169,7 +170,8 @@ class LMTierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(cache, settings, block_size)
+            savers = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
+            self._scheduler = SchedulerHalf(cache, settings, block_size, num_savers=savers)
         else:
             self._worker = WorkerHalf(cache, block_size, saves=not mla or rank == 0)
 
@@ -216,6 +218,13 @@ class LMTierConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids), None
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Collect the workers' ``BlockStored`` (stored chunks) and ``BlockRemoved`` (chunks
+        their CPU tier evicted) events for take_events."""
+        events = connector_output.kv_cache_events
+        if events is not None:
+            self._sched().add_worker_events(events.get_all_events())
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched().take_events()
 
@@ -252,6 +261,9 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().failed_block_ids()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self._work().take_events()
 
     def shutdown(self) -> None:
         """Finish saves in flight, then release this side's cache. Idempotent."""

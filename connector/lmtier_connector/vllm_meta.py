@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from lmtier.api import LMTier
@@ -30,6 +31,7 @@ __all__ = [
     "ChunkRefs",
     "ConnectorSettings",
     "LMTierConnectorMetadata",
+    "LMTierKVEvents",
     "LoadSpec",
     "SaveSpec",
     "acquire_slabs",
@@ -37,6 +39,7 @@ __all__ = [
     "get_keys",
     "lookup_keys",
     "put_encoded",
+    "stored_chunk_event",
 ]
 
 
@@ -112,11 +115,17 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Store the chunks of ``refs`` from the request's blocks (table from token 0)."""
+    """Store the chunks of ``refs`` from the request's blocks (table from token 0).
+
+    ``stored_event`` describes all of those chunks (the scheduler alone knows their
+    tokens); a worker announces the chunks it has stored with per-chunk slices of it
+    (:func:`stored_chunk_event`), once they are in its tiers.
+    """
 
     req_id: str
     refs: ChunkRefs
     block_ids: tuple[int, ...]
+    stored_event: BlockStored | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +135,54 @@ class LMTierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted_req_ids: frozenset[str] = frozenset()
+
+
+def stored_chunk_event(event: BlockStored, num_chunks: int, index: int) -> BlockStored:
+    """The part of ``event`` (covering ``num_chunks`` chunks) that covers chunk ``index``."""
+    per = len(event.block_hashes) // num_chunks
+    tokens = len(event.token_ids) // num_chunks
+    first = index * per
+    parent = event.block_hashes[first - 1] if first else event.parent_block_hash
+    return BlockStored(
+        block_hashes=list(event.block_hashes[first : first + per]),
+        parent_block_hash=parent,
+        token_ids=list(event.token_ids[index * tokens : (index + 1) * tokens]),
+        block_size=event.block_size,
+        lora_id=event.lora_id,
+        medium=event.medium,
+        lora_name=event.lora_name,
+    )
+
+
+class LMTierKVEvents(KVConnectorKVEvents):
+    """The KV events of one step's worker outputs (vLLM merges those of every worker
+    into the first one's). Counting across workers and steps is the scheduler's job:
+    ``aggregate`` keeps everything."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:
+        self._events: list[KVCacheEvent] = list(events or [])
+        self._num_workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> LMTierKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._num_workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+    def __repr__(self) -> str:
+        return f"LMTierKVEvents({len(self._events)} events, {self._num_workers} workers)"
 
 
 def chunk_keys(cache: LMTier, refs: ChunkRefs) -> list[ChunkKey]:

@@ -13,16 +13,33 @@ the worker gathers them during the same forward pass that writes them. A request
 that ever had a save returns True from :meth:`request_finished`; the workers report
 it through ``get_finished`` once its saves are in the tiers, and only then does vLLM
 free its blocks.
+
+KV events are announced when chunks are *stored*, not when they are planned: each
+save carries the ``BlockStored`` of its chunks, the workers return per-chunk slices
+of it once the chunks are in their tiers (``get_kv_connector_kv_cache_events``),
+vLLM hands them here (:meth:`SchedulerHalf.add_worker_events`), and an event is
+published once every saving rank has reported it (``tp_size`` ranks; one for MLA).
+A chunk announced with medium CPU that a worker's CPU tier evicts comes back the same
+way as a ``BlockRemoved(medium="CPU")``; that one is published at the *first* rank's
+report (a chunk missing one rank's shard cannot be loaded), the other ranks' copies
+of it are absorbed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from lmtier.api import LMTier
@@ -44,6 +61,10 @@ __all__ = ["SchedulerHalf"]
 
 logger = logging.getLogger(__name__)
 
+MAX_PENDING_EVENTS = 65536
+"""Chunk events reported by some saving ranks but not all yet; beyond it the oldest
+are dropped (a rank that could not store a chunk never reports it)."""
+
 
 @dataclass(slots=True)
 class _RequestState:
@@ -59,7 +80,13 @@ class SchedulerHalf:
     """Scheduler-side state and logic; :class:`LMTierConnector` delegates to it."""
 
     def __init__(
-        self, cache: LMTier, settings: ConnectorSettings, block_size: int, *, saves: bool = True
+        self,
+        cache: LMTier,
+        settings: ConnectorSettings,
+        block_size: int,
+        *,
+        saves: bool = True,
+        num_savers: int = 1,
     ) -> None:
         self.cache = cache
         self.settings = settings
@@ -70,6 +97,9 @@ class SchedulerHalf:
         self._states: dict[str, _RequestState] = {}
         self._saving: set[str] = set()
         self._events: list[KVCacheEvent] = []
+        self._num_savers = num_savers  # workers that store each chunk: tp_size, 1 for MLA
+        self._reported: Counter[KVCacheEvent] = Counter()
+        self._removed: Counter[KVCacheEvent] = Counter()  # published, ranks left to absorb
         self._medium = MEDIUM_CPU if cache.config.cpu.enabled else MEDIUM_STORAGE
 
     # ---- keys ----------------------------------------------------------------------
@@ -175,16 +205,16 @@ class SchedulerHalf:
         if stop <= first:
             return
         refs = self.refs(request, first, stop)
-        meta.saves.append(
-            SaveSpec(req_id, refs, tuple(state.block_ids[: stop * self.blocks_per_chunk]))
-        )
+        block_ids = tuple(state.block_ids[: stop * self.blocks_per_chunk])
+        event = self._stored_event(request, refs)
+        meta.saves.append(SaveSpec(req_id, refs, block_ids, event))
         state.next_save_chunk = stop
         self._saving.add(req_id)
-        self._events.append(self._stored_event(request, refs))
 
     def _stored_event(self, request: Request, refs: ChunkRefs) -> BlockStored:
-        """A KV event for chunks planned into our tiers: vLLM's block hashes in the
-        vLLM-hash mode, else one entry per chunk (our key, block size = chunk size)."""
+        """The KV event of chunks to store into our tiers, for the workers to announce:
+        vLLM's block hashes in the vLLM-hash mode, else one entry per chunk (our key,
+        block size = chunk size)."""
         first, stop = refs.first_chunk, refs.first_chunk + refs.num_chunks
         tokens = request.all_token_ids[first * self.chunk_size : stop * self.chunk_size]
         if self.settings.vllm_block_hashes:
@@ -216,6 +246,26 @@ class SchedulerHalf:
             self._saving.discard(request.request_id)
             return True
         return False
+
+    def add_worker_events(self, events: Iterable[KVCacheEvent]) -> None:
+        """Count the per-chunk events workers report: publish a ``BlockStored`` once all
+        savers sent it, a ``BlockRemoved`` when the first one does."""
+        reported, removed = self._reported, self._removed
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                removed[event] += 1
+                if removed[event] == 1:
+                    self._events.append(event)
+                if removed[event] >= self._num_savers:
+                    del removed[event]
+                continue
+            reported[event] += 1
+            if reported[event] >= self._num_savers:
+                del reported[event]
+                self._events.append(event)
+        for counter in (reported, removed):
+            while len(counter) > MAX_PENDING_EVENTS:
+                del counter[next(iter(counter))]
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []

@@ -13,6 +13,16 @@
   waits for the copies, seals the slabs (header and checksum) and gives them to the
   storage manager; ``get_finished`` reports a finished request once all of its saves
   are through. Chunks some tier already holds are not saved again.
+* **KV events**: once a step's chunks are stored, that thread queues a ``BlockStored``
+  per chunk (sliced from its :class:`SaveSpec`'s event) for
+  ``get_kv_connector_kv_cache_events``; chunks dropped (no free slab) or failed are
+  never announced. This worker's cache owns the CPU tier its saves land in, so it
+  listens to that tier's evictions (:meth:`lmtier.api.LMTier.add_evict_listener`):
+  a chunk announced with medium CPU that leaves it is announced again as
+  ``BlockRemoved(medium="CPU")`` with the same block hashes, always after its
+  ``BlockStored``. It may still be in a lower tier (disk, Redis, S3): no removal is
+  announced for those. The hashes are kept per announced chunk, at most as many as
+  the CPU tier holds.
 
 The rejected alternative, sealing and storing inside ``wait_for_save``, would put a
 checksum pass over every saved byte on the forward path.
@@ -21,13 +31,18 @@ checksum pass over every saved byte on the forward path.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
 from lmtier.api import LMTier
+from lmtier.chunk_format import ChunkMeta
 from lmtier.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor
 from lmtier.memory import SlabHandle
@@ -42,6 +57,7 @@ from lmtier_connector.transfer import (
 )
 from lmtier_connector.vllm_meta import (
     LMTierConnectorMetadata,
+    LMTierKVEvents,
     LoadSpec,
     SaveSpec,
     acquire_slabs,
@@ -49,13 +65,32 @@ from lmtier_connector.vllm_meta import (
     get_keys,
     lookup_keys,
     put_encoded,
+    stored_chunk_event,
 )
 
 __all__ = ["WorkerHalf"]
 
 logger = logging.getLogger(__name__)
 
-_Encoded = tuple[ChunkKey, SlabHandle]
+
+@dataclass(frozen=True, slots=True)
+class _Slab:
+    """One chunk being saved: its key, slab, header and where its KV event comes from."""
+
+    key: ChunkKey
+    handle: SlabHandle
+    meta: ChunkMeta
+    save: SaveSpec
+    index: int  # the chunk's position in save.refs
+
+
+@dataclass(slots=True)
+class _Announced:
+    """The block hashes of a chunk stored in the CPU tier with a ``BlockStored``."""
+
+    block_hashes: list[ExternalBlockHash]
+    stored: bool = False  # its BlockStored is queued (else the chunk is being put)
+    evicted: bool = False  # evicted while being put: announce the removal after it
 
 
 @dataclass(slots=True)
@@ -63,7 +98,7 @@ class _StepSave:
     """The saves of one step: slabs being filled by one SaveHandle."""
 
     handle: SaveHandle
-    slabs: list[_Encoded]
+    slabs: list[_Slab]
     req_ids: set[str]
 
 
@@ -94,6 +129,14 @@ class WorkerHalf:
         self._saving_reqs: set[str] = set()
         self._finishing: set[str] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmtier-save")
+        self._events: list[KVCacheEvent] = []  # appended by the save and loop threads
+        self._events_lock = threading.Lock()  # never held while waiting for the loop
+        # Chunk key -> hashes of its BlockStored, for its BlockRemoved (under the lock).
+        self._announced: OrderedDict[ChunkKey, _Announced] = OrderedDict()
+        self._max_announced = cache.manager.memory.max_chunks
+        self._listening = saves and self._max_announced > 0
+        if self._listening:
+            cache.add_evict_listener(self._on_evict)
 
     # ---- registration --------------------------------------------------------------
 
@@ -201,26 +244,26 @@ class WorkerHalf:
     # ---- saves ---------------------------------------------------------------------
 
     def _begin_saves(self, saves: Sequence[SaveSpec]) -> None:
-        size, wanted = self.cache.chunk_size, []
+        wanted: list[tuple[SaveSpec, int, ChunkKey]] = []
         for save in saves:
             keys = chunk_keys(self.cache, save.refs)
             present = lookup_keys(self.cache, keys)  # stored by an earlier request
-            for index in range(present, len(keys)):
-                base = (save.refs.first_chunk + index) * size
-                wanted.append((save.req_id, keys[index], save.block_ids, base))
+            wanted.extend((save, index, keys[index]) for index in range(present, len(keys)))
         if not wanted:
             return
-        slabs = acquire_slabs(self.cache, len(wanted))  # fewer when the pool is busy
-        wanted = wanted[: len(slabs)]
-        if not wanted:
+        handles = acquire_slabs(self.cache, len(wanted))  # fewer when the pool is busy
+        if not handles:
             return
-        outs, runs, encoded = [], [], []
-        for (_, key, block_ids, base), slab in zip(wanted, slabs, strict=True):
-            outs.append(slab_payload(slab, self.spec.meta(key, size)))
-            runs.append(self._kernel_ids(block_ids, base, base + size))
-            encoded.append((key, slab))
-        handle = self._engine().begin_save(runs, outs)
-        self._save = _StepSave(handle, encoded, {req for req, *_ in wanted})
+        size = self.cache.chunk_size
+        outs, runs, slabs = [], [], []
+        for (save, index, key), handle in zip(wanted, handles, strict=False):
+            meta = self.spec.meta(key, size)
+            base = (save.refs.first_chunk + index) * size
+            outs.append(slab_payload(handle, meta))
+            runs.append(self._kernel_ids(save.block_ids, base, base + size))
+            slabs.append(_Slab(key, handle, meta, save, index))
+        saving = self._engine().begin_save(runs, outs)
+        self._save = _StepSave(saving, slabs, {slab.save.req_id for slab in slabs})
 
     def save_layer(self, layer_name: str) -> None:
         step = self._save
@@ -243,13 +286,80 @@ class WorkerHalf:
     def _seal_and_store(self, step: _StepSave) -> None:
         try:
             step.handle.wait()
-            size = self.cache.chunk_size
-            sealed = [(k, h, seal_slab(h, self.spec.meta(k, size))) for k, h in step.slabs]
+            sealed = [(s.key, s.handle, seal_slab(s.handle, s.meta)) for s in step.slabs]
         except BaseException:
-            for _, handle in step.slabs:
-                handle.release()
+            for slab in step.slabs:
+                slab.handle.release()
             raise
-        put_encoded(self.cache, sealed)
+        stored = [
+            (s.key, stored_chunk_event(s.save.stored_event, s.save.refs.num_chunks, s.index))
+            for s in step.slabs
+            if s.save.stored_event is not None
+        ]
+        tracked = [(key, e) for key, e in stored if self._listening and e.medium == MEDIUM_CPU]
+        if tracked:
+            # Tracked before the put: the CPU tier may evict a chunk of this very step.
+            with self._events_lock:
+                for key, event in tracked:
+                    self._track(key, event)
+        try:
+            put_encoded(self.cache, sealed)
+        except BaseException:
+            with self._events_lock:
+                for key, _ in tracked:
+                    entry = self._announced.get(key)
+                    if entry is not None and not entry.stored:
+                        del self._announced[key]
+            raise
+        if stored:
+            with self._events_lock:
+                for key, event in stored:
+                    self._events.append(event)
+                    if event.medium == MEDIUM_CPU and self._listening:
+                        self._announce(key, event)
+                while len(self._announced) > self._max_announced:
+                    self._announced.popitem(last=False)  # a safety net: never reached
+
+    def _track(self, key: ChunkKey, event: BlockStored) -> None:
+        """Note a chunk about to be put (under the events lock)."""
+        if key in self._announced:
+            self._announced.move_to_end(key)
+        else:
+            self._announced[key] = _Announced(list(event.block_hashes))
+
+    def _announce(self, key: ChunkKey, event: BlockStored) -> None:
+        """Its BlockStored was just queued (under the events lock): a chunk evicted
+        during its own put, or never cached (the CPU tier was full of chunks in use), is
+        announced as removed right after."""
+        entry = self._announced.get(key)
+        if entry is None:  # an earlier copy was evicted during the put: this one is new
+            entry = self._announced[key] = _Announced(list(event.block_hashes))
+        if entry.stored:
+            return
+        if entry.evicted or key not in self.cache.manager.memory:
+            del self._announced[key]
+            self._events.append(BlockRemoved(block_hashes=entry.block_hashes, medium=MEDIUM_CPU))
+        else:
+            entry.stored = True
+
+    def _on_evict(self, key: ChunkKey) -> None:
+        """Evict listener (the runtime's loop thread): queue the chunk's BlockRemoved."""
+        with self._events_lock:
+            entry = self._announced.get(key)
+            if entry is None:
+                return  # never announced by this worker (a promotion, another rank)
+            if not entry.stored:
+                entry.evicted = True
+                return
+            del self._announced[key]
+            self._events.append(BlockRemoved(block_hashes=entry.block_hashes, medium=MEDIUM_CPU))
+
+    def take_events(self) -> LMTierKVEvents | None:
+        """``BlockStored`` of the chunks stored and ``BlockRemoved`` of the announced ones
+        the CPU tier evicted since the last call, in order (None if none)."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return LMTierKVEvents(events) if events else None
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Requests finished by the scheduler whose saves are all through."""
@@ -281,3 +391,6 @@ class WorkerHalf:
         if self._save is not None:
             self.wait_for_save()
         self._writer.shutdown(wait=True)
+        if self._listening:
+            self._listening = False
+            self.cache.remove_evict_listener(self._on_evict)

@@ -4,12 +4,12 @@ The scheduler side runs inside ``vllm.v1.core.sched.scheduler.Scheduler`` (a Vll
 from a tiny local Llama config.json, no hub). The worker side gets KV tensors made by
 vLLM's own ``allocate_kv_cache`` (strided ``[B, H, N, C]`` views of one int8 buffer);
 a fake forward pass writes deterministic KV into the scheduled tokens' slots.
+Tensor parallelism and MLA: ``test_vllm_connector_tp.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import threading
 import warnings
@@ -34,15 +34,8 @@ for _name, _value in {
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.distributed.kv_events import BlockStored
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorRole,
@@ -52,103 +45,32 @@ with warnings.catch_warnings():
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm_helpers import (
+        BLOCK,
+        CHUNK,
+        HEAD_DIM,
+        HEADS,
+        LAYERS,
+        NAMES,
+        PREFIX,
+        kv_cache_config,
+        lmtier_overrides,
+        make_vllm_config,
+        write_model_dir,
+    )
 
     from lmtier_connector.vllm_connector import LMTierConnector
     from lmtier_connector.vllm_meta import LMTierConnectorMetadata, chunk_keys, lookup_keys
 
-LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 128, 64
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-PAGE = 2 * HEADS * BLOCK * HEAD_DIM * 4  # one layer's block, fp32, K and V
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HEADS * 2 * HEAD_DIM,
-        "intermediate_size": 128,
-        "num_attention_heads": HEADS * 2,
-        "num_key_value_heads": HEADS,
-        "head_dim": HEAD_DIM,
-        "num_hidden_layers": LAYERS,
-        "vocab_size": 1000,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def lmtier_overrides(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "chunk_size": CHUNK,
-        "cpu": {"capacity_bytes": "64MiB"},
-        "disk": {"path": str(tmp_path / "disk")},
-    }
-    config.update(extra)
-    return config
-
-
-def make_vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = ModelConfig(
-            model=str(model_dir),
-            tokenizer=str(model_dir),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=4096,
-        )
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cache.num_gpu_blocks = NUM_BLOCKS
-        return VllmConfig(
-            model_config=model,
-            cache_config=cache,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
-                max_num_batched_tokens=4096,
-                max_model_len=4096,
-                is_encoder_decoder=False,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="LMTierConnector",
-                kv_connector_module_path="lmtier_connector.vllm_connector",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
-            ),
-            device_config=DeviceConfig("cpu"),
-        )
-
-
-def kv_cache_config(layout: KVCacheLayout) -> KVCacheConfig:
-    compact = layout.is_layer_compact
-    tensor = KVCacheTensor(
-        size=PAGE * NUM_BLOCKS * LAYERS,
-        layers=list(NAMES),
-        layer_stride=PAGE * NUM_BLOCKS if compact else PAGE,
-        block_stride=PAGE if compact else PAGE * LAYERS,
-    )
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
-    )
+    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class Engine:
@@ -248,15 +170,19 @@ def drain_finished(engine: Engine, req_ids: set[str]) -> set[str]:
     return done
 
 
+def deliver_events(engine: Engine) -> list[Any]:
+    """What vLLM does each step: the worker's events into the scheduler's connector."""
+    events = engine.worker.get_kv_connector_kv_cache_events()
+    engine.connector.update_connector_output(KVConnectorOutput(kv_cache_events=events))
+    return list(engine.connector.take_events())
+
+
 @pytest.fixture
 def engines() -> Iterator[list[Engine]]:
     made: list[Engine] = []
     yield made
     for engine in made:
         engine.close()
-
-
-PREFIX = [(i * 37 + 11) % 1000 for i in range(300)]
 
 
 def test_the_factory_builds_our_connector(
@@ -280,8 +206,6 @@ def test_saves_then_a_fresh_scheduler_loads_bit_exact(
     assert meta.loads == []
     (save,) = meta.saves
     assert (save.refs.first_chunk, save.refs.num_chunks) == (0, 200 // CHUNK)
-    events = list(first.connector.take_events())
-    assert isinstance(events[0], BlockStored) and len(events[0].block_hashes) == 12
     finish(first, "a")
     assert drain_finished(first, {"a"}) == {"a"}
 
@@ -418,4 +342,64 @@ def test_finished_is_reported_only_once_saves_are_done(
     gate.set()
     work._writer.submit(lambda: None).result()  # the save thread has run the save
     assert engine.worker.get_finished(set()) == ({"a"}, None)
+    assert lookup_keys(cache, keys) == 3
+
+
+def test_block_stored_is_announced_once_the_chunks_are_stored(
+    model_dir: Path, tmp_path: Path, engines: list[Engine]
+) -> None:
+    engine = Engine(make_vllm_config(model_dir, {"config": lmtier_overrides(tmp_path)}))
+    engines.append(engine)
+    request = engine.add("a", PREFIX[:200])
+    work = engine.worker._work()
+    gate = threading.Event()
+    work._writer.submit(gate.wait)  # hold the save thread: planned, not stored
+    engine.step()
+    assert deliver_events(engine) == []
+    gate.set()
+    work._writer.submit(lambda: None).result()
+    events = deliver_events(engine)
+    assert [type(e) for e in events] == [BlockStored] * 3  # one per 64-token chunk
+    hashes = [h for e in events for h in e.block_hashes]
+    assert hashes == list(request.block_hashes[:12])
+    assert [e.parent_block_hash for e in events] == [None, hashes[3], hashes[7]]
+    assert [e.token_ids for e in events] == [PREFIX[i : i + CHUNK] for i in (0, 64, 128)]
+    assert {(e.medium, e.block_size) for e in events} == {(MEDIUM_CPU, BLOCK)}
+    assert deliver_events(engine) == []  # announced once
+    # Chunks already stored are not saved again, hence not announced again.
+    engine.add("b", PREFIX[:200])
+    engine.step()
+    work._writer.submit(lambda: None).result()
+    assert deliver_events(engine) == []
+
+
+def test_block_removed_is_announced_when_the_cpu_tier_evicts(
+    model_dir: Path, tmp_path: Path, engines: list[Engine]
+) -> None:
+    slab = 2 * LAYERS * HEADS * HEAD_DIM * CHUNK * 4 + 4096  # one encoded chunk
+    config = lmtier_overrides(tmp_path, cpu={"capacity_bytes": 2 * slab})  # two chunks
+    engine = Engine(make_vllm_config(model_dir, {"config": config}))
+    engines.append(engine)
+    assert engine.worker.lmtier.manager.memory.max_chunks == 2
+    first = engine.add("a", PREFIX[:200])  # three chunks in one step: the first is
+    engine.step()  # evicted by the third while they are being put
+    engine.worker._work()._writer.submit(lambda: None).result()
+    events = deliver_events(engine)
+    hashes = list(first.block_hashes[:12])
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved, BlockStored, BlockStored]
+    assert events[0].block_hashes == events[1].block_hashes == hashes[:4]  # after its store
+    assert events[1] == BlockRemoved(block_hashes=hashes[:4], medium=MEDIUM_CPU)
+    # Another chunk evicts the least recently stored one: chunk 1 of "a".
+    second = engine.add("b", [(i * 13 + 5) % 1000 for i in range(70)])
+    engine.step()
+    engine.worker._work()._writer.submit(lambda: None).result()
+    events = deliver_events(engine)
+    assert [type(e) for e in events] == [BlockRemoved, BlockStored]
+    assert events[0] == BlockRemoved(block_hashes=hashes[4:8], medium=MEDIUM_CPU)
+    assert events[1].block_hashes == list(second.block_hashes[:4])
+    assert deliver_events(engine) == []
+    # Evicted from the CPU tier only: the disk tier still serves every chunk.
+    cache = engine.connector.lmtier
+    cache.flush()
+    keys = chunk_keys(cache, engine.connector._sched().refs(first, 0, 3))
     assert lookup_keys(cache, keys) == 3

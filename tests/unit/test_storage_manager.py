@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
+
+import pytest
 
 from lmtier.cpu_tier import CPUTier
 from lmtier.keys import ChunkKey
@@ -228,3 +231,52 @@ def test_lookup_now_answers_only_from_in_memory_indexes() -> None:
         assert manager.lookup_now([*keys, make_chunk()[0]]) is None
 
     run(body)
+
+
+@pytest.mark.parametrize("write_back", [False, True])
+def test_evict_listeners_see_every_evicted_key_in_order(write_back: bool) -> None:
+    policy = "write_back" if write_back else "write_through"
+    props = TierProperties(persistent=True, shared=False, write_policy=policy)
+
+    async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
+        seen: list[ChunkKey] = []
+        manager.add_evict_listener(seen.append)
+        items = chunks(8)
+        await put_all(manager, items[:7])
+        keys = [k for k, _ in items]
+        assert seen == keys[:3]  # the CPU tier holds 4: the three oldest go, in order
+        manager.remove_evict_listener(seen.append)
+        manager.remove_evict_listener(seen.append)  # not registered: ignored
+        await put_all(manager, items[7:])
+        assert seen == keys[:3]
+        await manager.flush()
+        if write_back:  # write-back still gets every evicted chunk
+            assert sorted(disk.data) == sorted(keys[:4])
+        else:
+            assert disk.data == dict(items)
+
+    run(body, cpu_slabs=4, lower_props=props)
+
+
+def test_a_raising_evict_listener_never_breaks_eviction(caplog: pytest.LogCaptureFixture) -> None:
+    props = TierProperties(persistent=True, shared=False, write_policy="write_back")
+
+    async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
+        seen: list[ChunkKey] = []
+
+        def broken(key: ChunkKey) -> None:
+            raise RuntimeError("listener bug")
+
+        manager.add_evict_listener(broken)
+        manager.add_evict_listener(seen.append)
+        items = chunks(6)
+        with caplog.at_level(logging.ERROR, logger="lmtier.storage_manager"):
+            await put_all(manager, items)
+        keys = [k for k, _ in items]
+        assert seen == keys[:2]
+        assert manager.memory.count_prefix(keys[2:]) == 4
+        await manager.flush()
+        assert sorted(disk.data) == sorted(keys[:2])  # write-back unaffected
+        assert sum("listener" in r.getMessage() for r in caplog.records) == 2
+
+    run(body, cpu_slabs=4, lower_props=props)
