@@ -1,0 +1,17 @@
+"""Test-suite wide settings.
+
+Under CI (the ``CI`` environment variable, set by the CI runner) hypothesis runs
+derandomized and without per-example deadlines: a submission's result must not depend
+on which examples one run happened to draw, or on how loaded the 2-core machine was.
+Locally the default profile keeps exploring new examples.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
