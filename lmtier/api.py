@@ -231,9 +231,13 @@ class LMTier:
             found = self._runtime.run(self.manager.lookup(keys))
         return found
 
-    def load_keys(self, keys: Sequence[ChunkKey]) -> LoadResult:
-        """Load the leading servable chunks of ``keys`` (release the result when done)."""
-        chunks = self._runtime.run(self.manager.get(keys)) if keys else []
+    def load_keys(self, keys: Sequence[ChunkKey], lookup: Lookup | None = None) -> LoadResult:
+        """Load the leading servable chunks of ``keys`` (release the result when done).
+
+        Pass the ``lookup`` just made for these keys (``CacheLookup.lookup``) to skip a
+        second walk of the tiers.
+        """
+        chunks = self._runtime.run(self.manager.get(keys, lookup)) if keys else []
         return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis)
 
     def acquire_slabs(self, count: int) -> list[SlabHandle]:

@@ -146,9 +146,8 @@ class CachedCausalLM:
         )
         if boundary + found.num_tokens <= on_device:
             return self._build(device_hit, on_device, [], {})
-        with self.cache.load(
-            ids, max_tokens=len(ids) - 1, skip_tokens=boundary, cache_salt=cache_salt
-        ) as hit:
+        # The keys and the walk just made are reused: no second hashing, no second lookup.
+        with self.cache.load_keys(found.keys, found.lookup) as hit:
             if boundary + hit.num_tokens <= on_device:  # lost a race with an eviction
                 return self._build(device_hit, on_device, [], {})
             return self._build(device_hit, boundary, hit.tensors(), hit.tokens_by_tier())
