@@ -108,6 +108,34 @@ class LoadedChunk:
             self.release()
 
 
+class _Walk:
+    """One waterfall walk: the CPU tier's leading hits, then each tier's on the rest."""
+
+    __slots__ = ("found", "keys", "spans")
+
+    def __init__(self, keys: Sequence[ChunkKey], memory: CPUTier) -> None:
+        self.keys = keys
+        self.found = memory.count_prefix(keys)
+        self.spans = [TierSpan(memory.name, 0, self.found)] if self.found else []
+
+    @property
+    def done(self) -> bool:
+        return self.found == len(self.keys)
+
+    @property
+    def rest(self) -> Sequence[ChunkKey]:
+        """The keys no tier asked so far holds: the next tier is asked about these only."""
+        return self.keys[self.found :]
+
+    def add(self, tier: str, count: int) -> None:
+        if count:
+            self.spans.append(TierSpan(tier, self.found, self.found + count))
+            self.found += count
+
+    def result(self) -> Lookup:
+        return Lookup(self.found, tuple(self.spans))
+
+
 @dataclass(slots=True)
 class _Write:
     key: ChunkKey
@@ -154,39 +182,28 @@ class StorageManager:
     async def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
         """How many leading chunks of ``keys`` some tier holds, and which tier serves each."""
         started = time.perf_counter()
-        spans: list[TierSpan] = []
-        found = self.memory.count_prefix(keys)
-        if found:
-            spans.append(TierSpan(self.memory.name, 0, found))
+        walk = _Walk(keys, self.memory)
         for tier in self.tiers:
-            if found == len(keys):
+            if walk.done:
                 break
-            count = await self._contains(tier, keys[found:])
-            if count:
-                spans.append(TierSpan(tier.name, found, found + count))
-                found += count
+            walk.add(tier.name, await self._contains(tier, walk.rest))
         self.memory.stats.lookup_latency.record(time.perf_counter() - started)
-        return Lookup(found, tuple(spans))
+        return walk.result()
 
     def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
         """:meth:`lookup` from any thread without I/O, when every tier it must ask can
         answer from memory (``Tier.contains_now``); None when some tier cannot."""
-        spans: list[TierSpan] = []
-        found = self.memory.count_prefix(keys)
-        if found:
-            spans.append(TierSpan(self.memory.name, 0, found))
+        walk = _Walk(keys, self.memory)
         for tier in self.tiers:
-            if found == len(keys):
+            if walk.done:
                 break
             started = time.perf_counter()
-            count = tier.contains_now(keys[found:])
+            count = tier.contains_now(walk.rest)
             if count is None:
                 return None
             tier.stats.lookup_latency.record(time.perf_counter() - started)
-            if count:
-                spans.append(TierSpan(tier.name, found, found + count))
-                found += count
-        return Lookup(found, tuple(spans))
+            walk.add(tier.name, count)
+        return walk.result()
 
     async def _contains(self, tier: Tier, keys: Sequence[ChunkKey]) -> int:
         started = time.perf_counter()
