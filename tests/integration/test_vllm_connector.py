@@ -10,7 +10,6 @@ Tensor parallelism and MLA: ``test_vllm_connector_tp.py``.
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -25,12 +24,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-for _name, _value in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(_name, _value)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)

@@ -5,7 +5,6 @@ in one process, on real KV tensors shaped as each rank's shard (or MLA's latent)
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-for _name, _value in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(_name, _value)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)

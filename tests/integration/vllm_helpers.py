@@ -1,25 +1,17 @@
 """Helpers shared by the vLLM connector tests: a tiny model directory, vLLM configs
 and KV cache configs. Import it only once vLLM is known to be installed (the test
-modules skip first, and set the environment vLLM needs on a CPU machine before any
-vLLM import; so does this module, for use on its own).
+modules skip first); ``tests/conftest.py`` sets the environment vLLM needs on a CPU
+machine before any test module imports vLLM.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-
-for _name, _value in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(_name, _value)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)

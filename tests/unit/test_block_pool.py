@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import types
 import warnings
@@ -522,7 +521,6 @@ TestBlockPoolMachine.settings = settings(
 
 @pytest.fixture(scope="module")
 def vllm_block_pool() -> Any:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         try:

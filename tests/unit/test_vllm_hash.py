@@ -124,7 +124,6 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_equal_to_vllm_hash_block_tokens() -> None:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     with warnings.catch_warnings():
         # vLLM's import touches deprecated torch.jit APIs; that is vLLM's business.
         warnings.simplefilter("ignore", DeprecationWarning)
