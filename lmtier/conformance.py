@@ -94,12 +94,17 @@ class TierConformance:
 
         _run(body, make_tier)
 
-    def test_buffer_too_small_is_a_miss(self, make_tier: TierFactory) -> None:
+    def test_chunk_larger_than_its_buffer_is_removed(self, make_tier: TierFactory) -> None:
+        # Buffers are the cache's slabs: a chunk that does not fit one can never be
+        # served, so it is a miss, counted, and removed (no phantom hit for lookups).
         async def body(tier: Tier) -> None:
-            key, data = make_chunk()
-            await tier.put([(key, data)])
-            assert await tier.get_into([key], _buffers(1, len(data) - 1)) == [None]
-            assert await tier.get_into([key], _buffers(1, len(data))) == [len(data)]
+            (key, data), (other, more) = make_chunk(), make_chunk()
+            await tier.put([(key, data), (other, more)])
+            sizes = await tier.get_into([key, other], [*_buffers(1, len(data) - 1), *_buffers(1)])
+            assert sizes == [None, len(more)]
+            assert tier.stats.unservable == 1
+            assert await tier.contains([key]) == 0
+            assert await tier.contains([other]) == 1
 
         _run(body, make_tier)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from lmtier.keys import ChunkKey
 from lmtier.memory import HostPool, SlabHandle
 from lmtier.stats import TierStats
-from lmtier.tier import Buffer, Tier, TierProperties
+from lmtier.tier import UNSERVABLE, Buffer, Tier, TierProperties
 
 __all__ = ["CPUTier", "EvictCallback"]
 
@@ -182,8 +182,11 @@ class CPUTier(Tier):
         sizes: list[int | None] = []
         for key, buffer in zip(keys, buffers, strict=True):
             entry = self._entries.get(key)
-            if entry is None or entry.size > len(buffer):
+            if entry is None:
                 sizes.append(None)
+                continue
+            if entry.size > len(buffer):
+                sizes.append(UNSERVABLE)
                 continue
             self._entries.move_to_end(key)
             buffer[: entry.size] = entry.handle.view[: entry.size]

@@ -73,7 +73,10 @@ class TierStats:
     errors: int = 0
     """Failed calls: I/O errors, timeouts, refused connections."""
     corrupt: int = 0
-    """Chunks that failed validation and were deleted."""
+    """Chunks that failed validation (checksums, key, geometry, MAC) and were deleted."""
+    unservable: int = 0
+    """Chunks present but impossible to serve (too large, wrong type, unreadable file),
+    removed from the tier so that lookups stop finding them."""
     evictions: int = 0
     queue_drops: int = 0
     """Background writes dropped because the tier's queue was full."""

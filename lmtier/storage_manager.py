@@ -10,17 +10,30 @@ what differs between tiers is in their :class:`~lmtier.tier.TierProperties`.
 * **get** serves CPU hits zero-copy (another lease on the cached slab), reads lower
   hits straight into fresh pool slabs, and promotes them: the CPU tier adopts the
   slab (no copy) and the byte tiers above the one that served it get the chunk in
-  the background. It stops at the first chunk that cannot be served.
+  the background. It stops at the first chunk that cannot be served. Reads go to a
+  tier in batches sized by :mod:`lmtier.pacing`, one after another, so that a slow
+  but healthy tier serves a long prompt batch by batch instead of timing out whole.
+* **checks**: every chunk served, from any tier, host memory included, must be the
+  chunk asked for, of the cache's geometry, and authentic when it comes from a
+  shared tier and an integrity key is set (:class:`~lmtier.chunk_check.ChunkCheck`);
+  one that is not is deleted from its tier, counted in ``corrupt``, and the load
+  stops there.
 * **put** lands in the CPU tier synchronously and goes to each ``write_through``
   tier through a bounded queue; ``write_back`` tiers get chunks the CPU tier evicts.
   A full queue drops the write and counts it: inference never waits on storage.
 * **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
   every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
   be in a lower tier); an engine integration uses it to announce removals.
-* **failures**: every call to a byte tier goes through :meth:`StorageManager._guarded`:
+* **failures**: every call to a byte tier goes through its :class:`~lmtier.guard.TierGuard`:
   a timeout (the tier's ``timeout_s``, else the manager's default), an exception
-  turned into a miss and a counter, and a per-tier :class:`~lmtier.breaker.CircuitBreaker`
-  that turns a dead tier into a fast miss until a probe succeeds.
+  turned into a miss and a counter, and a circuit breaker that turns a dead tier
+  into a fast miss until a probe succeeds.
+* **slabs in flight**: a call that times out (or whose caller is cancelled) is
+  abandoned, not awaited, but its I/O may still be reading or writing the slabs it
+  was given. Those slabs stay out of the pool until the call is really over: a read
+  holds leases of its own, a write keeps its write leases, both released when the
+  call's task finishes (:mod:`lmtier.guard`). A late read therefore lands in a slab
+  nobody else has, and is dropped with it.
 
 All methods run on the runtime's event loop (see :mod:`lmtier.runtime`).
 """
@@ -30,110 +43,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from lmtier.blocking import run_blocking
 from lmtier.breaker import CircuitBreaker
-from lmtier.chunk_format import DecodedChunk, decode
+from lmtier.chunk_check import ChunkCheck
+from lmtier.chunk_format import DecodedChunk
 from lmtier.cpu_tier import CPUTier
-from lmtier.errors import HandleError
+from lmtier.errors import CacheClosedError
+from lmtier.guard import TierGuard
 from lmtier.keys import ChunkKey
+from lmtier.lookup import LoadedChunk, Lookup, TierSpan, Walk
 from lmtier.memory import SlabHandle
+from lmtier.pacing import MAX_CHUNKS, BatchPacer
 from lmtier.tier import Tier
 
 __all__ = ["EvictListener", "LoadedChunk", "Lookup", "StorageManager", "TierSpan"]
 
 logger = logging.getLogger(__name__)
 
-_WRITE_BATCH = 16
-"""Queued chunks a writer hands its tier per call: batches amortise round trips."""
-
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Timeout of a tier call when the tier declares none: even a local disk can hang."""
-
-T = TypeVar("T")
+ABANDONED_WAIT_S = 2.0
+"""How long :meth:`StorageManager.close` waits for abandoned calls to finish their I/O."""
+CLOSE_FLUSH_S = 30.0
+"""How long :meth:`StorageManager.close` waits for queued background writes; what is
+still queued then is dropped (and counted). Call ``flush()`` first to wait for all."""
 
 EvictListener = Callable[[ChunkKey], None]
 """Told the key of a chunk the CPU tier evicted; runs on the runtime's loop thread,
 inside the eviction, so it must be quick and must not call back into the manager."""
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpan:
-    """Chunks ``[start, stop)`` of a lookup are served by the tier ``tier``."""
-
-    tier: str
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """Result of a waterfall lookup: how many leading chunks hit, and who serves them."""
-
-    num_chunks: int
-    spans: tuple[TierSpan, ...]
-
-    def tier_of(self, index: int) -> str | None:
-        """Name of the tier that serves chunk ``index``, or None past the hit prefix."""
-        for span in self.spans:
-            if span.start <= index < span.stop:
-                return span.tier
-        return None
-
-
-@dataclass(slots=True)
-class LoadedChunk:
-    """A loaded chunk: a lease on the pool slab holding it, decoded in place.
-
-    Release it (or use it as a context manager) once its payload has been copied
-    where it is needed; until then its slab is never reused or evicted.
-    """
-
-    key: ChunkKey
-    tier: str
-    chunk: DecodedChunk
-    handle: SlabHandle = field(repr=False)
-
-    def release(self) -> None:
-        """Give the slab back. Releasing twice raises HandleError."""
-        self.handle.release()
-
-    def __enter__(self) -> LoadedChunk:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if not self.handle.released:
-            self.release()
-
-
-class _Walk:
-    """One waterfall walk: the CPU tier's leading hits, then each tier's on the rest."""
-
-    __slots__ = ("found", "keys", "spans")
-
-    def __init__(self, keys: Sequence[ChunkKey], memory: CPUTier) -> None:
-        self.keys = keys
-        self.found = memory.count_prefix(keys)
-        self.spans = [TierSpan(memory.name, 0, self.found)] if self.found else []
-
-    @property
-    def done(self) -> bool:
-        return self.found == len(self.keys)
-
-    @property
-    def rest(self) -> Sequence[ChunkKey]:
-        """The keys no tier asked so far holds: the next tier is asked about these only."""
-        return self.keys[self.found :]
-
-    def add(self, tier: str, count: int) -> None:
-        if count:
-            self.spans.append(TierSpan(tier, self.found, self.found + count))
-            self.found += count
-
-    def result(self) -> Lookup:
-        return Lookup(self.found, tuple(self.spans))
 
 
 @dataclass(slots=True)
@@ -143,26 +84,43 @@ class _Write:
     size: int
 
 
+def _release_all(handles: Sequence[SlabHandle]) -> None:
+    for handle in handles:
+        handle.release()
+
+
 class StorageManager:
-    """Ordered tiers behind one lookup/get/put interface. See the module docstring."""
+    """Ordered tiers behind one lookup/get/put interface. See the module docstring.
+
+    ``check`` says what a served chunk must be (default: the chunk asked for, any
+    geometry, no MAC).
+    """
 
     def __init__(
         self,
         memory: CPUTier,
         tiers: Sequence[Tier] = (),
         *,
-        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        call_timeout_s: float | None = None,
         breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+        check: ChunkCheck | None = None,
     ) -> None:
         names = [memory.name, *(tier.name for tier in tiers)]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self.memory = memory
         self.tiers = list(tiers)
-        self.call_timeout_s = call_timeout_s
-        self.breakers = {tier.name: breaker_factory() for tier in self.tiers}
+        self.call_timeout_s = call_timeout_s or DEFAULT_CALL_TIMEOUT_S
+        self.check = check or ChunkCheck()
+        self.guards = {
+            t.name: TierGuard(t, self._timeout(t), breaker_factory()) for t in self.tiers
+        }
+        self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
+        self._read_pacers = {t.name: BatchPacer(self._timeout(t)) for t in self.tiers}
+        self._write_pacers = {t.name: BatchPacer(self._timeout(t)) for t in self.tiers}
         self._queues: dict[str, asyncio.Queue[_Write]] = {}
         self._writers: list[asyncio.Task[None]] = []
+        self._verifier: ThreadPoolExecutor | None = None
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
         self._evict_listeners: list[EvictListener] = []
         memory.on_evict = self._on_evict
@@ -170,6 +128,8 @@ class StorageManager:
 
     async def start(self) -> None:
         """Start one background writer per byte tier. Call once, on the runtime's loop."""
+        if self.check.mac is not None and any(t.properties.shared for t in self.tiers):
+            self._verifier = ThreadPoolExecutor(2, thread_name_prefix="lmtier-verify")
         for tier in self.tiers:
             queue: asyncio.Queue[_Write] = asyncio.Queue(maxsize=tier.properties.queue_depth)
             self._queues[tier.name] = queue
@@ -177,12 +137,19 @@ class StorageManager:
                 asyncio.create_task(self._writer(tier, queue), name=f"lmtier-writer-{tier.name}")
             )
 
+    def _timeout(self, tier: Tier) -> float:
+        return tier.properties.timeout_s or self.call_timeout_s
+
+    @property
+    def _chunk_bytes(self) -> int:
+        return self.memory.pool.slab_bytes
+
     # ---- lookup -----------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
         """How many leading chunks of ``keys`` some tier holds, and which tier serves each."""
         started = time.perf_counter()
-        walk = _Walk(keys, self.memory)
+        walk = Walk(keys, self.memory)
         for tier in self.tiers:
             if walk.done:
                 break
@@ -193,40 +160,34 @@ class StorageManager:
     def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
         """:meth:`lookup` from any thread without I/O, when every tier it must ask can
         answer from memory (``Tier.contains_now``); None when some tier cannot."""
-        walk = _Walk(keys, self.memory)
+        walk, complete = self._walk_now(keys)
+        return walk.result() if complete else None
+
+    def lookup_local(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """The leading chunks found without I/O, from any thread: the CPU tier, then the
+        tiers that answer from memory, up to the first that would need I/O. For a store,
+        which must never wait on a remote tier to learn what it may skip."""
+        walk, _ = self._walk_now(keys)
+        return walk.result()
+
+    def _walk_now(self, keys: Sequence[ChunkKey]) -> tuple[Walk, bool]:
+        walk = Walk(keys, self.memory)
         for tier in self.tiers:
             if walk.done:
                 break
             started = time.perf_counter()
             count = tier.contains_now(walk.rest)
             if count is None:
-                return None
+                return walk, False
             tier.stats.lookup_latency.record(time.perf_counter() - started)
             walk.add(tier.name, count)
-        return walk.result()
+        return walk, True
 
     async def _contains(self, tier: Tier, keys: Sequence[ChunkKey]) -> int:
         started = time.perf_counter()
-        count = await self._guarded(tier, "contains", lambda: tier.contains(keys))
+        count, _ = await self.guards[tier.name].call("contains", lambda: tier.contains(keys))
         tier.stats.lookup_latency.record(time.perf_counter() - started)
         return 0 if count is None else max(0, min(count, len(keys)))
-
-    async def _guarded(self, tier: Tier, what: str, call: Callable[[], Awaitable[T]]) -> T | None:
-        """Run one tier call under its breaker and timeout; None means "count it a miss"."""
-        breaker = self.breakers[tier.name]
-        if not breaker.allow():
-            tier.stats.skipped += 1
-            return None
-        timeout = tier.properties.timeout_s or self.call_timeout_s
-        try:
-            result = await asyncio.wait_for(call(), timeout)
-        except Exception as exc:  # a failing tier is a miss, never a failed request
-            breaker.record_failure()
-            tier.stats.errors += 1
-            logger.debug("%s: %s failed: %r", tier.name, what, exc)
-            return None
-        breaker.record_success()
-        return result
 
     # ---- get --------------------------------------------------------------------
 
@@ -235,58 +196,124 @@ class StorageManager:
     ) -> list[LoadedChunk]:
         """Load the leading chunks of ``keys`` that can be served, in order.
 
-        The result may be shorter than ``lookup.num_chunks`` when a chunk vanished or
-        failed validation since the lookup; it never has a gap.
+        The result may be shorter than ``lookup.num_chunks`` when a chunk vanished,
+        failed a check, or its tier was too slow since the lookup; it never has a gap.
         """
         lookup = lookup if lookup is not None else await self.lookup(keys)
         loaded: list[LoadedChunk] = []
-        for span in lookup.spans:
-            span_keys = keys[span.start : span.stop]
-            if span.tier == self.memory.name:
-                chunks = self._get_from_memory(span_keys)
-            else:
-                chunks = await self._get_from_tier(self._tier(span.tier), span_keys)
-            loaded.extend(chunks)
-            if len(chunks) < len(span_keys):
-                break
+        try:
+            for span in lookup.spans:
+                span_keys = keys[span.start : span.stop]
+                if span.tier == self.memory.name:
+                    chunks = await self._get_from_memory(span_keys)
+                else:
+                    chunks = await self._get_from_tier(self._tier(span.tier), span_keys)
+                loaded.extend(chunks)
+                if len(chunks) < len(span_keys):
+                    break
+        except BaseException:
+            for chunk in loaded:
+                chunk.release()
+            raise
         return loaded
 
-    def _get_from_memory(self, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
+    async def _get_from_memory(self, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
         chunks: list[LoadedChunk] = []
         for key in keys:
             shared = self.memory.share(key)
             if shared is None:
                 break
             handle, size = shared
-            chunks.append(
-                LoadedChunk(key, self.memory.name, decode(handle.view[:size], verify=False), handle)
-            )
+            chunk = self.check.header(key, handle.view[:size])
+            if chunk is None:  # never expected: a bug elsewhere, caught before it is served
+                handle.release()
+                self.memory.stats.corrupt += 1
+                logger.error("%s: cached chunk %s failed its check", self.memory.name, key.hex())
+                await self.memory.delete([key])
+                break
+            chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
         return chunks
 
     async def _get_from_tier(self, tier: Tier, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
+        pacer = self._read_pacers[tier.name]
+        chunks: list[LoadedChunk] = []
+        while len(chunks) < len(keys):
+            count = pacer.size(self._chunk_bytes, len(keys) - len(chunks))
+            handles = self._acquire(count)
+            if not handles:
+                break  # every slab is in use by readers: serve what fits
+            batch = keys[len(chunks) : len(chunks) + len(handles)]
+            served = await self._read_batch(tier, pacer, batch, handles)
+            chunks.extend(served)
+            if len(served) < len(batch):
+                break
+        return chunks
+
+    async def _read_batch(
+        self, tier: Tier, pacer: BatchPacer, keys: Sequence[ChunkKey], handles: list[SlabHandle]
+    ) -> list[LoadedChunk]:
+        """Read one batch into ``handles`` (taking ownership of them); the leading chunks
+        that arrived and passed every check, promoted."""
+        chunks: list[LoadedChunk] = []
+        try:
+            io_leases = [handle.share() for handle in handles]  # the call's own (docstring)
+            views = [handle.view for handle in handles]
+            started = time.perf_counter()
+            sizes, timed_out = await self.guards[tier.name].call(
+                "get", lambda: tier.get_into(keys, views), lambda: _release_all(io_leases)
+            )
+            elapsed = time.perf_counter() - started
+            tier.stats.read_latency.record(elapsed)
+            if sizes is None:
+                if timed_out:
+                    pacer.timed_out(len(keys) * self._chunk_bytes, len(keys))
+                return chunks
+            pacer.succeeded(sum(size for size in sizes if size), elapsed, len(keys))
+            decoded: list[DecodedChunk] = []
+            for key, handle, size in zip(keys, handles, sizes, strict=True):
+                chunk = None if size is None else self.check.header(key, handle.view[:size])
+                if chunk is None:
+                    if size is not None:
+                        await self._reject(tier, [key])
+                    break
+                decoded.append(chunk)
+            decoded = await self._authentic(tier, keys, decoded)
+            for key, handle, chunk in zip(keys, handles, decoded, strict=False):
+                chunks.append(LoadedChunk(key, tier.name, chunk, handle))
+                self._promote(tier, key, handle, chunk.payload_offset + chunk.meta.nbytes)
+            return chunks
+        finally:
+            _release_all(handles[len(chunks) :])
+
+    async def _authentic(
+        self, tier: Tier, keys: Sequence[ChunkKey], decoded: list[DecodedChunk]
+    ) -> list[DecodedChunk]:
+        """The leading chunks of ``decoded`` with a valid MAC, where ``tier`` needs one."""
+        if not decoded or not self.check.needs_mac(tier) or self._verifier is None:
+            return decoded
+        verdicts = await run_blocking(
+            self._verifier, [(self.check.authentic, (chunk,)) for chunk in decoded]
+        )
+        for index, verdict in enumerate(verdicts):
+            if verdict is not True:
+                logger.warning("%s: chunk %s has no valid MAC", tier.name, keys[index].hex())
+                await self._reject(tier, [keys[index]])
+                return decoded[:index]
+        return decoded
+
+    async def _reject(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
+        """Chunks that passed the tier's checks but not ours: delete and count them."""
+        tier.stats.corrupt += len(keys)
+        await self.guards[tier.name].call("delete", lambda: tier.delete(keys))
+
+    def _acquire(self, count: int) -> list[SlabHandle]:
         handles: list[SlabHandle] = []
-        for _ in keys:
+        for _ in range(count):
             handle = self.memory.acquire_slab()
             if handle is None:
-                break  # every slab is in use by readers: serve what fits
+                break
             handles.append(handle)
-        started = time.perf_counter()
-        got = await self._guarded(
-            tier, "get", lambda: tier.get_into(keys[: len(handles)], [h.view for h in handles])
-        )
-        sizes: list[int | None] = [None] * len(handles) if got is None else got
-        tier.stats.read_latency.record(time.perf_counter() - started)
-        chunks: list[LoadedChunk] = []
-        missed = False
-        for key, handle, size in zip(keys[: len(handles)], handles, sizes, strict=True):
-            if missed or size is None:
-                missed = True  # no gaps: everything after a miss is dropped too
-                handle.release()
-                continue
-            chunk = LoadedChunk(key, tier.name, decode(handle.view[:size], verify=False), handle)
-            chunks.append(chunk)
-            self._promote(tier, key, handle, size)
-        return chunks
+        return handles
 
     def _promote(self, source: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
         self.memory.adopt(key, handle.share(), size)
@@ -304,7 +331,7 @@ class StorageManager:
         """
         if self._closed:
             handle.release()
-            raise HandleError("put on a closed StorageManager")
+            raise CacheClosedError("put on a closed StorageManager")
         for tier in self.tiers:
             if tier.properties.write_policy == "write_through":
                 self._enqueue(tier, key, handle, size)
@@ -344,21 +371,36 @@ class StorageManager:
         queue.put_nowait(_Write(key, self.memory.share_for_write(handle), size))
 
     async def _writer(self, tier: Tier, queue: asyncio.Queue[_Write]) -> None:
+        pacer = self._write_pacers[tier.name]
         while True:
             batch = [await queue.get()]
-            while len(batch) < _WRITE_BATCH and not queue.empty():
+            limit = pacer.size(self._chunk_bytes, MAX_CHUNKS)
+            while len(batch) < limit and not queue.empty():
                 batch.append(queue.get_nowait())
-            started = time.perf_counter()
             items = [(w.key, w.handle.view[: w.size]) for w in batch]
+            num_bytes = sum(w.size for w in batch)
+            started = time.perf_counter()
             try:
-                # A failed or skipped write is dropped and counted by _guarded; the
-                # chunk stays in the tiers above.
-                await self._guarded(tier, "put", lambda: tier.put(items))  # noqa: B023
+                # A failed, skipped or timed-out write is dropped and counted; the chunk
+                # stays in the tiers above. The write leases go once the I/O is over.
+                stored, timed_out = await self.guards[tier.name].call(
+                    "put",
+                    lambda: tier.put(items),  # noqa: B023 - awaited in this iteration
+                    lambda: self._release_writes(batch),  # noqa: B023
+                )
             finally:
-                tier.stats.write_latency.record(time.perf_counter() - started)
-                for write in batch:
-                    self.memory.release_write(write.handle)
+                for _ in batch:
                     queue.task_done()
+            elapsed = time.perf_counter() - started
+            tier.stats.write_latency.record(elapsed)
+            if stored is not None:
+                pacer.succeeded(num_bytes, elapsed, len(batch))
+            elif timed_out:
+                pacer.timed_out(num_bytes, len(batch))
+
+    def _release_writes(self, batch: list[_Write]) -> None:
+        for write in batch:
+            self.memory.release_write(write.handle)
 
     # ---- lifecycle --------------------------------------------------------------
 
@@ -367,20 +409,37 @@ class StorageManager:
         await asyncio.gather(*(queue.join() for queue in self._queues.values()))
 
     async def close(self) -> None:
-        """Flush queued writes, stop the writers, close every tier. Idempotent."""
+        """Flush queued writes (up to ``CLOSE_FLUSH_S``: a hung tier must not hold the
+        process), stop the writers, let abandoned calls finish their I/O (up to
+        ``ABANDONED_WAIT_S``), close every tier. Idempotent."""
         if self._closed:
             return
-        await self.flush()
+        try:
+            await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "close: background writes still queued after %s s dropped", CLOSE_FLUSH_S
+            )
         self._closed = True
         for task in self._writers:
             task.cancel()
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers.clear()
+        for name, queue in self._queues.items():
+            while not queue.empty():
+                write = queue.get_nowait()
+                self.memory.release_write(write.handle)
+                self._tier(name).stats.queue_drops += 1
+        abandoned = {task for guard in self.guards.values() for task in guard.abandoned}
+        if abandoned:
+            await asyncio.wait(abandoned, timeout=ABANDONED_WAIT_S)
         for tier in [self.memory, *self.tiers]:
             try:
                 await tier.close()
             except Exception:
                 logger.exception("%s: close failed", tier.name)
+        if self._verifier is not None:
+            self._verifier.shutdown(wait=False, cancel_futures=True)
 
     def _tier(self, name: str) -> Tier:
         for tier in self.tiers:
@@ -389,7 +448,7 @@ class StorageManager:
         raise KeyError(name)
 
     def stats(self) -> dict[str, dict[str, object]]:
-        """Per-tier counters, fastest tier first, plus queue depths."""
+        """Per-tier counters, fastest tier first, plus queue depths and batch sizes."""
         out: dict[str, dict[str, object]] = {}
         for tier in [self.memory, *self.tiers]:
             entry: dict[str, object] = dict(tier.stats.as_dict())
@@ -400,5 +459,9 @@ class StorageManager:
             if breaker is not None:
                 entry["breaker"] = breaker.state.value
                 entry["breaker_opens"] = breaker.opens
+            pacer = self._read_pacers.get(tier.name)
+            if pacer is not None:
+                entry["read_batch"] = pacer.size(self._chunk_bytes, MAX_CHUNKS)
+                entry["abandoned_in_flight"] = len(self.guards[tier.name].abandoned)
             out[tier.name] = entry
         return out

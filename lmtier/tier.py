@@ -7,8 +7,18 @@ how many *leading* keys are present (a lookup stops at the first miss anyway), a
 ``get_into`` reads into buffers the caller owns (pool slabs), so there is exactly one
 copy from the medium into memory.
 
-Failures come in two kinds. A problem with one chunk (absent, vanished, unreadable
-file) is a miss: None or a shorter prefix. A problem with the tier itself (refused
+Buffers belong to the tier call that was given them until that call is over: a
+tier call returns, raises or is cancelled only once none of the I/O it started can
+touch its buffers any more (threads use :mod:`lmtier.blocking`; I/O on the event
+loop aborts its transport when cancelled). The StorageManager relies on it to keep
+a slab out of the pool while a timed-out call may still be writing into it.
+
+Failures come in three kinds. A chunk that is absent or vanished is a miss: None
+or a shorter prefix. A chunk that is there but can never be served (larger than
+any buffer, a Redis key of another type, a directory, FIFO or unreadable file in
+place of a chunk file) is reported as :data:`UNSERVABLE` by the backend; the shared
+code deletes it, counts it in ``stats.unservable`` and reports a miss, so that a
+lookup stops saying "hit" for it. A problem with the tier itself (refused
 connection, timeout, server down) raises :class:`~lmtier.errors.BackendError` (or
 simply takes too long): the StorageManager counts it, feeds the tier's circuit
 breaker, and answers the request with a miss. The interface is for the manager;
@@ -38,7 +48,7 @@ from lmtier.errors import CorruptChunk
 from lmtier.keys import ChunkKey
 from lmtier.stats import TierStats
 
-__all__ = ["Buffer", "Tier", "TierProperties", "WritePolicy", "validate_chunk"]
+__all__ = ["UNSERVABLE", "Buffer", "Tier", "TierProperties", "WritePolicy", "validate_chunk"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,10 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 """Encoded chunk bytes handed to ``put``."""
 
 WritePolicy = Literal["write_through", "write_back"]
+
+UNSERVABLE = -1
+"""What ``Tier._read_into`` returns for a chunk that is present but can never be
+served (see the module docstring): it is deleted and counted, and the read is a miss."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,23 +127,29 @@ class Tier(ABC):
     ) -> list[int | None]:
         """Read each chunk into its buffer; the encoded length per key, or None for a miss.
 
+        Buffers are the cache's slabs, sized for its chunks: a chunk larger than its
+        buffer can never be served and is removed like any unservable one.
         Chunks are validated here, once for every backend: a corrupt, truncated or
         misplaced chunk is deleted, counted in ``stats.corrupt`` and returned as None.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         sizes = await self._read_into(keys, buffers)
-        corrupt: list[ChunkKey] = []
+        bad: list[ChunkKey] = []
         for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            if size is None or not self.properties.verify_reads:
+            if size is None:
                 continue
-            if not validate_chunk(key, buffers[index][:size]):
-                corrupt.append(key)
-                sizes[index] = None
-        if corrupt:
-            self.stats.corrupt += len(corrupt)
-            logger.warning("%s: %d corrupt chunk(s) deleted", self.name, len(corrupt))
-            await self.delete(corrupt)
+            if size < 0:
+                self.stats.unservable += 1
+            elif not self.properties.verify_reads or validate_chunk(key, buffers[index][:size]):
+                continue
+            else:
+                self.stats.corrupt += 1
+            bad.append(key)
+            sizes[index] = None
+        if bad:
+            logger.warning("%s: %d corrupt or unservable chunk(s) deleted", self.name, len(bad))
+            await self.delete(bad)
         hits = sum(size is not None for size in sizes)
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
@@ -140,8 +160,9 @@ class Tier(ABC):
     async def _read_into(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
     ) -> list[int | None]:
-        """Backend read: raw bytes of each chunk into its buffer, or None (absent, failed,
-        or larger than the buffer). Validation and hit/miss counting are the caller's."""
+        """Backend read: raw bytes of each chunk into its buffer; its length, None (absent
+        or failed) or :data:`UNSERVABLE` (present, never servable: larger than the buffer,
+        of the wrong type). Validation and hit/miss counting are the caller's."""
 
     @abstractmethod
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
