@@ -9,7 +9,7 @@ chunk between tiers is a copy, never a re-encode::
     +-----------------------+-----------------+--------------------+---------------------------+
     prefix = struct "<4sHHIIQ": magic b"LMTC", version, flags (0), header_len,
              reserved (0), xxh3_64(header)
-    header = {"key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "xxh", "ctime"}
+    header = {"key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "ctime", "xxh", "mac"}
 
 Why this shape:
 
@@ -21,6 +21,10 @@ Why this shape:
   carries no information and decoding never reads it.
 * :func:`decode` returns a memoryview into the caller's buffer: the only full pass
   over the payload is its xxh3_64 checksum (skippable with ``verify=False``).
+* ``mac`` is 32 bytes: zeros, or an HMAC-SHA256 (:mod:`lmtier.integrity`) over the
+  canonical header with a zeroed ``mac`` and the payload, when the writer holds the
+  deployment's integrity key. Checksums catch accidents; only a MAC catches a chunk
+  planted by someone who can write to a shared tier but does not hold the key.
 * msgpack with size limits, never pickle: a chunk is data from a cache that other
   processes can write, and decoding it must not run code or exhaust memory.
 
@@ -32,10 +36,10 @@ from __future__ import annotations
 import math
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeGuard
+from typing import Any, TypeAlias, TypeGuard
 
 import msgpack
 import xxhash
@@ -58,8 +62,11 @@ __all__ = [
     "MAX_HEADER_LEN",
     "PAYLOAD_ALIGN",
     "PREFIX_LEN",
+    "MAC_LEN",
+    "ChunkGeometry",
     "ChunkMeta",
     "DecodedChunk",
+    "MacSigner",
     "align_up",
     "decode",
     "decode_header",
@@ -67,11 +74,17 @@ __all__ = [
     "encode_into",
     "encoded_size",
     "header_bytes",
+    "signed_header",
     "verify_payload",
 ]
 
 MAGIC = b"LMTC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the header gained ``mac``. Part of every key's namespace, so chunks of another
+version are never looked up."""
+MAC_LEN = 32
+"""Bytes of the header's ``mac`` field (HMAC-SHA256); all zeros when unsigned."""
+_NO_MAC = bytes(MAC_LEN)
 PAYLOAD_ALIGN = 4096
 MAX_HEADER_LEN = 64 * 1024
 KEY_LEN = 16
@@ -112,7 +125,7 @@ _UNPACK_LIMITS: dict[str, int] = {
     "max_ext_len": 0,
 }
 _HEADER_FIELDS = frozenset(
-    ("key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "xxh", "ctime")
+    ("key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "ctime", "xxh", "mac")
 )
 _UINT64 = b"\xcf"  # msgpack uint64 marker
 
@@ -212,13 +225,38 @@ class DecodedChunk:
     payload: memoryview
     payload_offset: int
     checksum: int
+    mac: bytes = _NO_MAC
+    """The header's MAC (all zeros when the writer held no integrity key)."""
 
 
-def _pack_header(meta: ChunkMeta, checksum: int, ctime: float) -> bytes:
+@dataclass(frozen=True, slots=True)
+class ChunkGeometry:
+    """What every full chunk of one cache looks like: element type, layout, shape.
+
+    The StorageManager compares each loaded chunk's header with it (a few field
+    compares, no payload pass), so a chunk of another model's geometry is never served
+    as a hit even if it sits under a matching key.
+    """
+
+    dtype: str
+    layout: str
+    shape: tuple[int, ...]
+
+    def matches(self, meta: ChunkMeta) -> bool:
+        """Whether ``meta`` describes a chunk of exactly this geometry."""
+        return meta.dtype == self.dtype and meta.layout == self.layout and meta.shape == self.shape
+
+
+MacSigner: TypeAlias = Callable[[bytes, memoryview], bytes]
+"""Computes a chunk's MAC from its canonical header (``mac`` zeroed) and its payload."""
+
+
+def _pack_header(meta: ChunkMeta, checksum: int, ctime: float, mac: bytes = _NO_MAC) -> bytes:
     """The msgpack header. Its length depends on ``meta`` only, never on the values
-    of ``checksum`` or ``ctime``: the checksum is always written as a 9-byte uint64
-    (msgpack would otherwise pick the narrowest int) and ctime as a float64. That is
-    what lets :func:`encoded_size` be exact without hashing the payload."""
+    of ``checksum``, ``ctime`` or ``mac``: the checksum is always written as a 9-byte
+    uint64 (msgpack would otherwise pick the narrowest int), ctime as a float64 and
+    mac as 32 bytes. That is what lets :func:`encoded_size` be exact without hashing
+    the payload, and a MAC be filled in after the header is packed."""
     packer = msgpack.Packer(use_bin_type=True)
     parts: list[bytes] = [packer.pack_map_header(len(_HEADER_FIELDS))]
     for name, value in (
@@ -233,7 +271,18 @@ def _pack_header(meta: ChunkMeta, checksum: int, ctime: float) -> bytes:
     ):
         parts += (packer.pack(name), packer.pack(value))
     parts += (packer.pack("xxh"), _UINT64 + checksum.to_bytes(8, "big"))
+    parts += (packer.pack("mac"), packer.pack(mac))
     return b"".join(parts)
+
+
+def signed_header(meta: ChunkMeta, checksum: int) -> bytes:
+    """The canonical header a chunk's MAC covers (with ``mac`` zeroed), before its payload.
+
+    ``meta.created`` must be the chunk's stamp (as decoded, or as given to encode).
+    Rebuilt from the fields rather than taken from the bytes, so a verifier never
+    depends on how a writer laid out its map.
+    """
+    return _pack_header(meta, checksum, meta.created)
 
 
 def _frame(header: bytes) -> bytes:
@@ -261,15 +310,22 @@ def _byte_view(meta: ChunkMeta, payload: Any) -> memoryview:
     return view
 
 
-def header_bytes(meta: ChunkMeta, payload: Any) -> bytes:
+def header_bytes(meta: ChunkMeta, payload: Any, sign: MacSigner | None = None) -> bytes:
     """The bytes that precede ``payload`` in its encoding (length == payload offset).
 
-    Hashes the payload. Tiers write the result and the payload as two buffers
+    Hashes the payload, and MACs header and payload with ``sign`` when given (see
+    :mod:`lmtier.integrity`). Tiers write the result and the payload as two buffers
     (writev, a non-copying Redis SET) so the payload is never copied to encode it.
     """
     view = _byte_view(meta, payload)
     ctime = meta.created if meta.created != 0.0 else time.time()
-    return _frame(_pack_header(meta, xxhash.xxh3_64_intdigest(view), ctime))
+    checksum = xxhash.xxh3_64_intdigest(view)
+    mac = _NO_MAC
+    if sign is not None:
+        mac = sign(_pack_header(meta, checksum, ctime), view)
+        if len(mac) != MAC_LEN:
+            raise ValueError(f"a MAC must be {MAC_LEN} bytes, got {len(mac)}")
+    return _frame(_pack_header(meta, checksum, ctime, mac))
 
 
 def encoded_size(meta: ChunkMeta) -> int:
@@ -277,17 +333,17 @@ def encoded_size(meta: ChunkMeta) -> int:
     return align_up(PREFIX_LEN + len(_pack_header(meta, 0, 0.0))) + meta.nbytes
 
 
-def encode(meta: ChunkMeta, payload: Any) -> bytes:
+def encode(meta: ChunkMeta, payload: Any, sign: MacSigner | None = None) -> bytes:
     """Encode ``payload`` (any C-contiguous buffer of meta.nbytes bytes) as one chunk.
 
     One copy of the payload, into the returned bytes. Prefer :func:`header_bytes` or
     :func:`encode_into` where the destination allows it.
     """
     view = _byte_view(meta, payload)
-    return b"".join((header_bytes(meta, view), view))
+    return b"".join((header_bytes(meta, view, sign), view))
 
 
-def encode_into(meta: ChunkMeta, payload: Any, out: Any) -> int:
+def encode_into(meta: ChunkMeta, payload: Any, out: Any, sign: MacSigner | None = None) -> int:
     """Encode straight into the writable buffer ``out`` (e.g. a pool slab).
 
     Copies the payload exactly once. Returns the number of bytes written; bytes of
@@ -298,7 +354,7 @@ def encode_into(meta: ChunkMeta, payload: Any, out: Any) -> int:
     if dest.readonly or not dest.c_contiguous:
         raise ValueError("out must be a writable C-contiguous buffer")
     dest = dest.cast("B")
-    head = header_bytes(meta, view)
+    head = header_bytes(meta, view, sign)
     total = len(head) + meta.nbytes
     if dest.nbytes < total:
         raise ValueError(f"out has {dest.nbytes} bytes, the chunk needs {total}")
@@ -315,8 +371,8 @@ def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return fields
 
 
-def _parse_header(header: memoryview) -> tuple[ChunkMeta, int]:
-    """Unpack and validate the msgpack header: (meta, payload checksum)."""
+def _parse_header(header: memoryview) -> tuple[ChunkMeta, int, bytes]:
+    """Unpack and validate the msgpack header: (meta, payload checksum, MAC)."""
     try:
         fields = msgpack.unpackb(
             header,
@@ -351,11 +407,14 @@ def _parse_header(header: memoryview) -> tuple[ChunkMeta, int]:
     checksum = fields["xxh"]
     if not _is_int(checksum) or not 0 <= checksum < 1 << 64:
         raise InconsistentChunk(f"payload checksum {checksum!r:.40} is not a uint64")
-    return meta, checksum
+    mac = fields["mac"]
+    if not isinstance(mac, bytes) or len(mac) != MAC_LEN:
+        raise InconsistentChunk(f"mac is not {MAC_LEN} bytes")
+    return meta, checksum, mac
 
 
-def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int]:
-    """Validate prefix and header of ``buf``: (view, meta, payload_offset, checksum)."""
+def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int, bytes]:
+    """Validate prefix and header of ``buf``: (view, meta, payload_offset, checksum, mac)."""
     view = memoryview(buf).cast("B")
     if len(view) < PREFIX_LEN:
         if not MAGIC.startswith(bytes(view[: len(MAGIC)])):
@@ -379,8 +438,8 @@ def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int]:
     header = view[PREFIX_LEN:header_end]
     if xxhash.xxh3_64_intdigest(header) != header_xxh:
         raise ChecksumMismatch("header checksum mismatch")
-    meta, checksum = _parse_header(header)
-    return view, meta, align_up(header_end), checksum
+    meta, checksum, mac = _parse_header(header)
+    return view, meta, align_up(header_end), checksum, mac
 
 
 def decode_header(buf: Any) -> tuple[ChunkMeta, int, int, int]:
@@ -389,7 +448,7 @@ def decode_header(buf: Any) -> tuple[ChunkMeta, int, int, int]:
     ``buf`` needs the prefix and header, not the payload; tiers read this first, then
     the payload into its destination and check it with :func:`verify_payload`.
     """
-    _, meta, payload_offset, checksum = _read_header(buf)
+    _, meta, payload_offset, checksum, _mac = _read_header(buf)
     return meta, payload_offset, meta.nbytes, checksum
 
 
@@ -403,14 +462,14 @@ def decode(buf: Any, *, verify: bool = True) -> DecodedChunk:
     checked), for callers that verified the same bytes before. Bytes past the
     payload are ignored.
     """
-    view, meta, payload_offset, checksum = _read_header(buf)
+    view, meta, payload_offset, checksum, mac = _read_header(buf)
     end = payload_offset + meta.nbytes
     if len(view) < end:
         raise TruncatedChunk(f"{len(view)} bytes, the payload ends at {end}")
     payload = view[payload_offset:end]
     if verify:
         verify_payload(payload, checksum)
-    return DecodedChunk(meta, payload, payload_offset, checksum)
+    return DecodedChunk(meta, payload, payload_offset, checksum, mac)
 
 
 def verify_payload(payload: Any, checksum: int) -> None:

@@ -75,7 +75,7 @@ def read_prefix(blob: bytes) -> tuple[Any, ...]:
 
 def frame(header: bytes, payload: bytes, **prefix: int) -> bytes:
     """Build a chunk by hand around any header bytes, with a correct header checksum."""
-    fields = {"version": 1, "flags": 0, "reserved": 0, "header_len": len(header)} | prefix
+    fields = {"version": 2, "flags": 0, "reserved": 0, "header_len": len(header)} | prefix
     head = PREFIX.pack(
         b"LMTC",
         fields["version"],
@@ -99,6 +99,7 @@ def valid_fields(meta: ChunkMeta, payload: bytes) -> dict[str, Any]:
         "nbytes": meta.nbytes,
         "xxh": xxhash.xxh3_64_intdigest(bytes(payload)),
         "ctime": 1.0,
+        "mac": bytes(32),
     }
 
 
@@ -272,7 +273,7 @@ def test_bad_magic(blob: bytes) -> None:
         decode(bytes(4096))
 
 
-@pytest.mark.parametrize(("index", "value"), [(1, 2), (1, 0), (2, 1)])
+@pytest.mark.parametrize(("index", "value"), [(1, 3), (1, 1), (1, 0), (2, 1)])
 def test_unsupported_version_or_flags(blob: bytes, index: int, value: int) -> None:
     with pytest.raises(UnsupportedVersion):
         decode(repack(blob, index, value))
