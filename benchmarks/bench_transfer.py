@@ -31,7 +31,7 @@ import torch
 
 from lmtier.chunk_format import ChunkMeta
 from lmtier.keys import ChunkKey
-from lmtier.kv_spec import KVSpec
+from lmtier.kv_spec import KVSpec, payload_tensor
 from lmtier.memory import HostPool, SlabHandle
 from lmtier_connector.paged_kv import PagedKVCache
 from lmtier_connector.transfer import (
@@ -39,7 +39,6 @@ from lmtier_connector.transfer import (
     gather,
     save_chunk_into_slab,
     scatter,
-    slab_payload,
 )
 
 TOKENS, CHUNK, BLOCK, POOL_BLOCKS = 4096, 256, 16, 1024
@@ -81,7 +80,7 @@ def chunk_slabs(spec: KVSpec) -> tuple[HostPool, list[tuple[SlabHandle, ChunkMet
 
 
 def payloads(slabs: list[tuple[SlabHandle, ChunkMeta]]) -> list[torch.Tensor]:
-    return [slab_payload(handle, meta) for handle, meta in slabs]
+    return [payload_tensor(handle, meta) for handle, meta in slabs]
 
 
 def close(pool: HostPool, slabs: list[tuple[SlabHandle, ChunkMeta]]) -> None:

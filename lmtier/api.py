@@ -15,6 +15,11 @@ It owns a :class:`~lmtier.runtime.Runtime` (one event loop thread) and the
 StorageManager on it; every method may be called from any thread. Token ids are
 hashed in the calling thread; only tier work goes through the loop.
 
+Bad arguments are typed lmtier errors that say what to pass (InvalidRequestError
+and its InvalidTokensError and InvalidKVError, ConfigError for the cache's own
+settings, CacheClosedError after close); they change nothing. A model id (or a
+revision, a weights fingerprint) is required: two unnamed models would share KV.
+
 Engine integrations that already have chunk keys (the vLLM connector keys chunks
 by vLLM's block hashes) use the key-level methods: :meth:`LMTier.lookup_keys`,
 :meth:`LMTier.load_keys`, :meth:`LMTier.acquire_slabs` and :meth:`LMTier.put_encoded`.
@@ -22,94 +27,52 @@ by vLLM's block hashes) use the key-level methods: :meth:`LMTier.lookup_keys`,
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-import torch
-
+from lmtier.chunk_check import ChunkCheck
+from lmtier.chunk_format import ChunkMeta, MacSigner, align_up
 from lmtier.config import LMTierConfig, load_config
 from lmtier.cpu_tier import CPUTier
-from lmtier.keys import ChunkKey, ExtraKeys, Namespace, make_hasher
-from lmtier.kv_spec import KVSource, KVSpec, chunk_tensor, encode_kv_into, kv_num_tokens, narrow_kv
+from lmtier.errors import (
+    CacheClosedError,
+    ConfigError,
+    InvalidKVError,
+    InvalidRequestError,
+    brief,
+)
+from lmtier.integrity import load_key
+from lmtier.keys import KEY_BYTES, ChunkKey, ExtraKeys, Namespace, make_hasher
+from lmtier.kv_spec import KVSource, KVSpec, check_kv, encode_kv_into, narrow_kv, seal_slab
+from lmtier.load_result import CacheLookup, LoadResult, caller
+from lmtier.lookup import Lookup
 from lmtier.memory import HostPool, SlabHandle
 from lmtier.plugins import open_tiers
 from lmtier.runtime import Runtime
-from lmtier.storage_manager import EvictListener, LoadedChunk, Lookup, StorageManager
+from lmtier.sizes import format_size
+from lmtier.storage_manager import EvictListener, StorageManager
 from lmtier.tokens import TokenInput
 
 __all__ = ["CacheLookup", "LMTier", "LoadResult"]
 
-STAGING_SLABS = 128
-"""Slabs beyond the CPU tier's capacity, for chunks in flight (loads being copied out,
-writes queued): enough for a 32k-token prompt at chunk 256 even with the CPU tier off."""
+logger = logging.getLogger(__name__)
 
 STORE_BATCH = 16
 """Chunks :meth:`LMTier.store` encodes per trip to the event loop: few trips, few slabs."""
+NAMESPACE_CACHE = 1024
+"""Tenants (``cache_salt`` values) whose namespace is kept ready; others are rebuilt
+(~3 us) when they come back. A bound: one entry per tenant forever grew without end."""
 
 
-@dataclass(frozen=True, slots=True)
-class CacheLookup:
-    """How much of a prompt is cached: ``num_tokens`` (whole chunks) and who holds them."""
-
-    num_tokens: int
-    keys: tuple[ChunkKey, ...]
-    lookup: Lookup
-
-    @property
-    def num_chunks(self) -> int:
-        """Leading chunks found in some tier."""
-        return self.lookup.num_chunks
-
-    def tokens_by_tier(self, chunk_size: int) -> dict[str, int]:
-        """Cached tokens per tier name."""
-        return {s.tier: (s.stop - s.start) * chunk_size for s in self.lookup.spans}
-
-
-@dataclass(slots=True)
-class LoadResult:
-    """Loaded chunks of a prompt's cached prefix. Release it (or use ``with``) when done."""
-
-    chunks: list[LoadedChunk]
-    chunk_size: int
-    token_axis: int
-    _released: bool = field(default=False, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens whose KV was loaded."""
-        return len(self.chunks) * self.chunk_size
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Zero-copy tensor views of each chunk (valid until :meth:`release`)."""
-        return [chunk_tensor(c.chunk) for c in self.chunks]
-
-    def kv(self) -> torch.Tensor | None:
-        """All loaded KV as one new tensor concatenated on the token axis (None if empty)."""
-        views = self.tensors()
-        return torch.cat(views, dim=self.token_axis) if views else None
-
-    def tokens_by_tier(self) -> dict[str, int]:
-        """Loaded tokens per tier that served them."""
-        out: dict[str, int] = {}
-        for chunk in self.chunks:
-            out[chunk.tier] = out.get(chunk.tier, 0) + self.chunk_size
-        return out
-
-    def release(self) -> None:
-        """Give every chunk's slab back. Idempotent."""
-        if not self._released:
-            self._released = True
-            for chunk in self.chunks:
-                chunk.release()
-
-    def __enter__(self) -> LoadResult:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
+def _require_int(name: str, value: object, *, lowest: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise InvalidRequestError(f"{name} must be an int >= {lowest}, got {brief(value)}")
+    return value
 
 
 class LMTier:
@@ -126,23 +89,48 @@ class LMTier:
         tp_rank: int = 0,
         vocab_size: int | None = None,
     ) -> None:
+        if not isinstance(config, LMTierConfig):
+            raise ConfigError(f"config must be an LMTierConfig, got {type(config).__name__}")
+        if not isinstance(kv, KVSpec):
+            raise ConfigError(f"kv must be a KVSpec, got {type(kv).__name__}")
+        model_id = config.model_id if model_id is None else model_id
+        model_revision = config.model_revision if model_revision is None else model_revision
+        for name, value in (("model_id", model_id), ("model_revision", model_revision)):
+            if not isinstance(value, str):
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__}")
+        if not model_id.strip() and not model_revision.strip():
+            raise ConfigError(
+                "model_id is required: caches of two unnamed models would share KV; pass "
+                "LMTier.open(..., model_id='org/model') or set model_id in the config "
+                "(model_revision, a weights fingerprint, also names the model)"
+            )
+        if vocab_size is not None:
+            _require_int("vocab_size", vocab_size, lowest=1)
         self.config = config
         self.kv_spec = kv
         self.chunk_size = config.chunk_size
         self.vocab_size = vocab_size
-        self._base_namespace = Namespace(
-            model_id=model_id if model_id is not None else config.model_id,
-            model_revision=model_revision if model_revision is not None else config.model_revision,
+        base = Namespace(
+            model_id=model_id,
+            model_revision=model_revision,
             kv_dtype=kv.dtype,
             kv_layout=kv.layout,
+            num_layers=kv.num_layers,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
             chunk_size=config.chunk_size,
             tp_size=tp_size,
             tp_rank=tp_rank,
         )
-        self._namespaces: dict[str, Namespace] = {"": self._base_namespace}
+        self._base_namespace = base
+        self._salted = functools.lru_cache(maxsize=NAMESPACE_CACHE)(
+            lambda salt: replace(base, cache_salt=salt)
+        )
         self._runtime = Runtime()
         self._manager: StorageManager | None = None
         self._pool: HostPool | None = None
+        self._sign: MacSigner | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -153,46 +141,88 @@ class LMTier:
         return cache
 
     def start(self) -> LMTier:
-        """Allocate the host pool, open the tiers and start background writers."""
+        """Allocate the host pool, open the tiers and start background writers.
+
+        Host memory is ``cpu.capacity_bytes`` (when the CPU tier is on) plus
+        ``cpu.staging_bytes``, in whole chunks, allocated now and never more.
+        """
         with self._lock:
+            if self._closed:
+                raise CacheClosedError("this LMTier was closed; open a new one")
             if self._manager is not None:
                 return self
-            slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
-            cpu = self.config.cpu
-            cpu_slabs = cpu.capacity_bytes // slab_bytes if cpu.enabled else 0
-            pool = HostPool(slab_bytes, cpu_slabs + STAGING_SLABS)
-            memory = CPUTier(pool, cpu_slabs * pool.slab_bytes)
+            mac = load_key(self.config.integrity.key, self.config.integrity.key_file)
+            pool, cache_slabs = self._host_pool()
+            memory = CPUTier(pool, cache_slabs * pool.slab_bytes)
+            check = ChunkCheck(self.kv_spec.geometry(self.chunk_size), mac)
             self._runtime.start()
             try:
                 tiers = self._runtime.run(open_tiers(self.config))
-                manager = StorageManager(memory, tiers)
+                manager = StorageManager(memory, tiers, check=check)
                 self._runtime.run(manager.start())
             except BaseException:
                 self._runtime.stop()
                 pool.close()
                 raise
             self._pool, self._manager = pool, manager
+            self._sign = mac.sign if mac is not None else None
         return self
+
+    def _host_pool(self) -> tuple[HostPool, int]:
+        """The host pool (cache slabs, then staging) and how many slabs the cache gets."""
+        slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
+        stride = align_up(slab_bytes)
+        cpu = self.config.cpu
+        cache_slabs = cpu.capacity_bytes // stride if cpu.enabled else 0
+        staging_slabs = cpu.staging_bytes // stride
+        if cpu.enabled and cpu.capacity_bytes and not cache_slabs:
+            raise ConfigError(
+                f"cpu.capacity_bytes of {format_size(cpu.capacity_bytes)} holds no chunk of "
+                f"{format_size(stride)}; raise it, or set cpu.enabled: false"
+            )
+        if not cache_slabs + staging_slabs:
+            raise ConfigError(
+                f"cpu.staging_bytes of {format_size(cpu.staging_bytes)} holds no chunk of "
+                f"{format_size(stride)} and the CPU tier holds none: raise cpu.staging_bytes"
+            )
+        pool = HostPool(slab_bytes, cache_slabs + staging_slabs)
+        logger.info(
+            "host memory: %s = %d cached + %d staging chunks of %s%s",
+            format_size(pool.nbytes),
+            cache_slabs,
+            staging_slabs,
+            format_size(pool.slab_bytes),
+            " (pinned)" if pool.pinned else "",
+        )
+        return pool, cache_slabs
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Host memory this cache allocated (cached chunks plus staging); 0 when closed."""
+        pool = self._pool
+        return pool.nbytes if pool is not None else 0
 
     @property
     def manager(self) -> StorageManager:
-        """The StorageManager (RuntimeError before :meth:`start`)."""
-        if self._manager is None:
-            raise RuntimeError("LMTier is not started; use LMTier.open(...) or .start()")
-        return self._manager
+        """The StorageManager (CacheClosedError before :meth:`start` or after close)."""
+        manager = self._manager
+        if manager is None:
+            state = "closed" if self._closed else "not started; use LMTier.open(...) or .start()"
+            raise CacheClosedError(f"this LMTier is {state}")
+        return manager
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         """The namespace of this model for one tenant's ``cache_salt``."""
-        found = self._namespaces.get(cache_salt)
-        if found is None:
-            found = replace(self._base_namespace, cache_salt=cache_salt)
-            self._namespaces[cache_salt] = found
-        return found
+        if not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        return self._salted(cache_salt)
 
     def keys(
         self, tokens: TokenInput, *, cache_salt: str = "", extras: ExtraKeys | None = None
     ) -> list[ChunkKey]:
         """Chunk keys of every full chunk of ``tokens``."""
+        if extras is not None and not isinstance(extras, ExtraKeys):
+            raise InvalidRequestError(f"extras must be ExtraKeys, got {type(extras).__name__}")
         hasher = make_hasher(
             self.namespace(cache_salt),
             algorithm=self.config.hash_algorithm,
@@ -217,18 +247,28 @@ class LMTier:
         result then counts from there.
         """
         keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
-        found = self.lookup_keys(keys)
+        found = self._lookup(keys, local_only=False)
         return CacheLookup(found.num_chunks * self.chunk_size, tuple(keys), found)
 
-    def lookup_keys(self, keys: Sequence[ChunkKey]) -> Lookup:
-        """Waterfall lookup of chunk keys: how many leading ones some tier holds."""
+    def lookup_keys(self, keys: Sequence[ChunkKey], *, local_only: bool = False) -> Lookup:
+        """Waterfall lookup of chunk keys: how many leading ones some tier holds.
+
+        ``local_only``: ask only the tiers that answer without I/O (host memory, the
+        disk index), so the call never waits on a remote tier.
+        """
+        return self._lookup(_checked_keys(keys), local_only=local_only)
+
+    def _lookup(self, keys: Sequence[ChunkKey], *, local_only: bool) -> Lookup:
+        manager = self.manager
         if not keys:
             return Lookup(0, ())
+        if local_only:
+            return manager.lookup_local(keys)
         # In-memory indexes answer in this thread; only tiers that need I/O cost a
         # hop to the runtime's loop (~60 us here: more than the lookup itself).
-        found = self.manager.lookup_now(keys)
+        found = manager.lookup_now(keys)
         if found is None:
-            found = self._runtime.run(self.manager.lookup(keys))
+            found = self._runtime.run(manager.lookup(keys))
         return found
 
     def load_keys(self, keys: Sequence[ChunkKey], lookup: Lookup | None = None) -> LoadResult:
@@ -237,19 +277,32 @@ class LMTier:
         Pass the ``lookup`` just made for these keys (``CacheLookup.lookup``) to skip a
         second walk of the tiers.
         """
-        chunks = self._runtime.run(self.manager.get(keys, lookup)) if keys else []
-        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis)
+        return self._load(_checked_keys(keys), lookup, caller())
+
+    def _load(self, keys: Sequence[ChunkKey], lookup: Lookup | None, origin: str) -> LoadResult:
+        manager = self.manager
+        chunks = self._runtime.run(manager.get(keys, lookup)) if keys else []
+        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis, origin)
 
     def acquire_slabs(self, count: int) -> list[SlabHandle]:
         """Up to ``count`` free host slabs to encode chunks into (evicting idle cached
         chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
-        return self._runtime.run(self._acquire(count)) if count > 0 else []
+        _require_int("count", count)
+        manager = self.manager
+        return self._runtime.run(self._acquire(manager, count)) if count > 0 else []
+
+    def seal_slab(self, handle: SlabHandle, meta: ChunkMeta) -> int:
+        """Frame a payload already copied into ``handle``'s slab at its place
+        (:func:`lmtier.kv_spec.payload_tensor`): header, checksum, and the MAC when an
+        integrity key is configured. Returns the encoded length, for :meth:`put_encoded`."""
+        return seal_slab(handle, meta, self._sign)
 
     def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
         """Store chunks already encoded in slabs (``(key, lease, encoded length)``); takes
         ownership of each lease. The CPU tier adopts them now, lower tiers in the background."""
+        manager = self.manager
         if encoded:
-            self._runtime.run(self._put(encoded))
+            self._runtime.run(self._put(manager, encoded))
 
     def load(
         self,
@@ -266,9 +319,8 @@ class LMTier:
         recomputed, since its logits are needed. ``skip_tokens`` as in :meth:`lookup`:
         the result then holds the chunks from there on.
         """
-        return self.load_keys(
-            self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
-        )
+        keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
+        return self._load(keys, None, caller())
 
     def store(
         self,
@@ -282,18 +334,20 @@ class LMTier:
 
         ``kv`` holds the KV of (at least) every full chunk: one tensor shaped
         ``kv_spec.shape(n)``, or one (K, V) pair per layer shaped (n, heads, dim),
-        with ``n >= len(keys) * chunk_size``, on any device.
-        Never blocks on storage: if every host slab is held by readers and pending
+        with ``n >= len(keys) * chunk_size``, on any device, of the spec's dtype.
+        Never blocks on storage: chunks already in a local tier are skipped (remote
+        tiers are not asked), and if every host slab is held by readers and pending
         writes, the remaining chunks are dropped and counted (``cpu.queue_drops``).
         """
+        self.manager  # noqa: B018 - fail fast when closed, before any work
         keys = self.keys(tokens, cache_salt=cache_salt, extras=extras)
-        covered = kv_num_tokens(kv, self.kv_spec)
+        covered = check_kv(kv, self.kv_spec)
         if covered < len(keys) * self.chunk_size:
-            raise ValueError(
-                f"kv covers {covered} tokens; {len(keys)} full chunks need "
-                f"{len(keys) * self.chunk_size}"
+            raise InvalidKVError(
+                f"kv covers {covered} tokens; the {len(keys)} full chunks of these tokens "
+                f"need {len(keys) * self.chunk_size}"
             )
-        present = self.lookup_keys(keys).num_chunks
+        present = self._lookup(keys, local_only=True).num_chunks
         stored = 0
         for first in range(present, len(keys), STORE_BATCH):
             batch = range(first, min(first + STORE_BATCH, len(keys)))
@@ -303,7 +357,8 @@ class LMTier:
                 for index, handle in zip(batch, handles, strict=False):
                     meta = self.kv_spec.meta(keys[index], self.chunk_size)
                     part = narrow_kv(kv, self.kv_spec, index * self.chunk_size, self.chunk_size)
-                    encoded.append((keys[index], handle, encode_kv_into(handle, meta, part)))
+                    size = encode_kv_into(handle, meta, part, self._sign)
+                    encoded.append((keys[index], handle, size))
             except BaseException:
                 for handle in handles:
                     handle.release()
@@ -314,9 +369,10 @@ class LMTier:
                 break  # the pool is exhausted by readers and pending writes: drop the rest
         return stored
 
-    async def _acquire(self, count: int) -> list[SlabHandle]:
+    @staticmethod
+    async def _acquire(manager: StorageManager, count: int) -> list[SlabHandle]:
         """Up to ``count`` slabs; fewer (counted as dropped) when every slab is busy."""
-        memory = self.manager.memory
+        memory = manager.memory
         handles: list[SlabHandle] = []
         for _ in range(count):
             handle = memory.acquire_slab()
@@ -326,9 +382,12 @@ class LMTier:
             handles.append(handle)
         return handles
 
-    async def _put(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
+    @staticmethod
+    async def _put(
+        manager: StorageManager, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]
+    ) -> None:
         for key, handle, size in encoded:
-            self.manager.put(key, handle, size)
+            manager.put(key, handle, size)
 
     def _limited_keys(
         self,
@@ -338,14 +397,17 @@ class LMTier:
         max_tokens: int | None,
         skip_tokens: int = 0,
     ) -> list[ChunkKey]:
-        if skip_tokens < 0 or skip_tokens % self.chunk_size:
-            raise ValueError(
-                f"skip_tokens must be a non-negative multiple of the chunk size "
-                f"{self.chunk_size}, got {skip_tokens}"
+        if max_tokens is not None:
+            _require_int("max_tokens", max_tokens)
+        _require_int("skip_tokens", skip_tokens)
+        if skip_tokens % self.chunk_size:
+            raise InvalidRequestError(
+                f"skip_tokens must be a multiple of the chunk size {self.chunk_size}, "
+                f"got {skip_tokens}"
             )
         keys = self.keys(tokens, cache_salt=cache_salt, extras=extras)
         if max_tokens is not None:
-            keys = keys[: max(0, max_tokens) // self.chunk_size]
+            keys = keys[: max_tokens // self.chunk_size]
         return keys[skip_tokens // self.chunk_size :]
 
     def add_evict_listener(self, callback: EvictListener) -> None:
@@ -377,16 +439,19 @@ class LMTier:
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Counters of every tier (see :class:`~lmtier.stats.TierStats`)."""
-        return self._runtime.run(self._stats())
+        return self._runtime.run(self._stats(self.manager))
 
-    async def _stats(self) -> dict[str, dict[str, object]]:
-        return self.manager.stats()
+    @staticmethod
+    async def _stats(manager: StorageManager) -> dict[str, dict[str, object]]:
+        return manager.stats()
 
     def close(self) -> None:
-        """Flush background writes, close the tiers, stop the runtime. Idempotent."""
+        """Flush background writes, close the tiers, stop the runtime. Idempotent; the
+        cache cannot be used (CacheClosedError) or started again afterwards."""
         with self._lock:
             manager, pool = self._manager, self._pool
             self._manager = self._pool = None
+            self._closed = True
         if manager is None:
             return
         try:
@@ -406,3 +471,13 @@ class LMTier:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _checked_keys(keys: object) -> Sequence[ChunkKey]:
+    """``keys`` if it is a sequence of 32-byte chunk keys; InvalidRequestError if not."""
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+        raise InvalidRequestError(f"keys must be a sequence of chunk keys, got {brief(keys)}")
+    for key in keys:
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            raise InvalidRequestError(f"a chunk key is {KEY_BYTES} bytes, got {brief(key)}")
+    return keys

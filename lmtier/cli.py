@@ -22,8 +22,9 @@ from typing import TextIO
 
 import numpy as np
 
-from lmtier.config import LMTierConfig, load_config
-from lmtier.errors import InvalidTokensError, LMTierError
+from lmtier.chunk_format import DTYPE_ITEMSIZE, LAYOUTS
+from lmtier.config import LMTierConfig, chunk_size_problem, load_config
+from lmtier.errors import ConfigError, InvalidTokensError, LMTierError
 from lmtier.keys import Namespace, make_hasher
 
 __all__ = ["main"]
@@ -65,12 +66,21 @@ def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
                 ids = _read_token_ids(stream, str(path))
         except OSError as exc:
             raise InvalidTokensError(f"cannot read token ids from {path}: {exc.strerror}") from exc
+    chunk_size = args.chunk_size if args.chunk_size is not None else config.chunk_size
+    problem = chunk_size_problem(chunk_size)
+    if problem is not None:
+        raise ConfigError(f"--chunk-size {problem}")
     namespace = Namespace(
         model_id=args.model_id if args.model_id is not None else config.model_id,
         model_revision=(
             args.model_revision if args.model_revision is not None else config.model_revision
         ),
-        chunk_size=args.chunk_size if args.chunk_size is not None else config.chunk_size,
+        kv_dtype=args.kv_dtype,
+        kv_layout=args.kv_layout,
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        chunk_size=chunk_size,
         cache_salt=args.cache_salt or "",
     )
     algorithm = args.hash or config.hash_algorithm
@@ -89,6 +99,14 @@ def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
         algorithm,
     )
     return 0
+
+
+def _count(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -131,6 +149,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="xxh3: chained xxh3-128 (default); vllm: keys from vLLM's sha256_cbor block hashes",
     )
     keys.add_argument("--vocab-size", type=int, help="reject token ids >= this")
+    geometry = keys.add_argument_group(
+        "KV geometry",
+        "part of every key: give the model's to print the keys its cache uses "
+        "(0: unspecified, which no cache uses)",
+    )
+    geometry.add_argument("--num-layers", type=_count, default=0, help="layers")
+    geometry.add_argument("--num-kv-heads", type=_count, default=0, help="KV heads per layer")
+    geometry.add_argument("--head-dim", type=_count, default=0, help="size of one head")
+    geometry.add_argument(
+        "--kv-dtype", choices=sorted(DTYPE_ITEMSIZE), default="float32", help="KV element type"
+    )
+    geometry.add_argument(
+        "--kv-layout", choices=sorted(LAYOUTS), default="LKTHD", help="KV layout in chunks"
+    )
     keys.set_defaults(handler=_cmd_keys)
     for entry in sorted(entry_points(group="lmtier.commands"), key=lambda e: e.name):
         entry.load()(commands)

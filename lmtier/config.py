@@ -80,7 +80,7 @@ from lmtier.config_sources import (
     from_environment,
     read_yaml,
 )
-from lmtier.errors import ConfigError
+from lmtier.errors import ConfigError, brief
 from lmtier.secrets import Secret, SecretURL, redact_url
 from lmtier.sizes import format_size, parse_size
 
@@ -91,11 +91,15 @@ __all__ = [
     "CPUTierConfig",
     "DiskTierConfig",
     "HashAlgorithm",
+    "IntegrityConfig",
     "LMTierConfig",
     "RedisTierConfig",
+    "MAX_BYTES",
+    "MAX_CHUNK_SIZE",
     "S3TierConfig",
     "Secret",
     "SecretURL",
+    "chunk_size_problem",
     "config_from_dict",
     "default_disk_path",
     "format_size",
@@ -108,6 +112,10 @@ logger = logging.getLogger(__name__)
 
 GPU_BLOCK_SIZE = 16
 """Tokens per GPU KV block; a chunk must hold a whole number of blocks."""
+MAX_CHUNK_SIZE = 65536
+"""Most tokens per chunk: one chunk is one slab of host memory and one object."""
+MAX_BYTES = 1 << 60
+"""Largest size any ``*_bytes`` setting may name (1 EiB): beyond it, a typo."""
 HashAlgorithm = Literal["xxh3", "vllm"]
 _GIB = 1024**3
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -116,10 +124,38 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # --- rules of single fields ---------------------------------------------------------
 
 
-def _chunk_size_problem(value: int) -> str | None:
-    if value > 0 and value % GPU_BLOCK_SIZE == 0:
+def chunk_size_problem(value: int) -> str | None:
+    """What is wrong with a chunk size, or None (also used by ``lmtier keys``)."""
+    if 0 < value <= MAX_CHUNK_SIZE and value % GPU_BLOCK_SIZE == 0:
         return None
-    return f"must be a positive multiple of {GPU_BLOCK_SIZE} (the GPU block size), got {value}"
+    return (
+        f"must be a positive multiple of {GPU_BLOCK_SIZE} (the GPU block size) and at most "
+        f"{MAX_CHUNK_SIZE}, got {value}"
+    )
+
+
+def _bytes_problem(value: int) -> str | None:
+    if value < 0:
+        return f"must be >= 0, got {value}"
+    if value > MAX_BYTES:
+        return f"must be at most 2**60 bytes (1 EiB): {value} is surely a typo"
+    return None
+
+
+_BYTES = rules(check=_bytes_problem)
+
+
+def _file_mode_problem(value: str) -> str | None:
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        mode = -1
+    if 0 <= mode <= 0o777 and mode & 0o600 == 0o600:
+        return None
+    return (
+        "must be an octal mode like '0600' or '0640' that the owner can read and "
+        f"write, got {brief(value)}"
+    )
 
 
 def _log_level_problem(value: str) -> str | None:
@@ -137,8 +173,27 @@ def _parsed(url: str) -> SplitResult | None:
     return parts
 
 
+def _unencoded_password(url: str) -> bool:
+    """Whether a ``/``, ``?`` or ``#`` seems to cut the user info short: URL parsers
+    (redis-py's too) would then connect with a truncated password to the wrong host.
+    That is when the URL's last ``@`` comes after such a delimiter and what precedes
+    the delimiter is no plain ``host[:port]``."""
+    rest = url.partition("://")[2]
+    at = rest.rfind("@")
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    if at < cut:
+        return False
+    host, colon, port = rest[:cut].rpartition(":") if ":" in rest[:cut] else (rest[:cut], "", "")
+    return "@" in rest[:cut] or not host or bool(colon and not port.isdigit())
+
+
 def _redis_url_problem(url: SecretURL) -> str | None:
     shown, parts = redact_url(url.reveal()), _parsed(url.reveal())
+    if _unencoded_password(url.reveal()):
+        return (
+            f"the password in {shown!r} holds '/', '?' or '#' unencoded: percent-encode "
+            "them (%2F, %3F, %23)"
+        )
     if url.scheme not in REDIS_SCHEMES:
         return f"scheme must be one of {', '.join(REDIS_SCHEMES)}, got {shown!r}"
     if parts is None:
@@ -180,12 +235,20 @@ class CPUTierConfig:
     """Host-memory tier, preallocated once as slabs (pinned when CUDA is present).
 
     - ``enabled``: keep chunks in host memory. Default True.
-    - ``capacity_bytes``: bytes of host memory for chunks, >= 0. Default 4 GiB.
+    - ``capacity_bytes``: bytes of host memory for cached chunks, >= 0. Default 4 GiB.
+    - ``staging_bytes``: bytes of host memory for chunks in flight (loads being copied
+      out, stores waiting for their writes), >= 0; at least one chunk. With the CPU
+      tier off, a load holds at most this much at once. Default 256 MiB.
+
+    The host memory lmtier allocates (and pins under CUDA) at open is
+    ``capacity_bytes + staging_bytes`` (each rounded down to whole chunks), and never
+    more; an amount beyond the machine's memory is a CapacityError at open.
     """
 
     SECTION: ClassVar[str] = "cpu"
     enabled: bool = True
-    capacity_bytes: int = field(default=4 * _GIB, metadata=at_least(0))
+    capacity_bytes: int = field(default=4 * _GIB, metadata=_BYTES)
+    staging_bytes: int = field(default=256 * 1024**2, metadata=_BYTES)
 
     def __post_init__(self) -> None:
         validate(self, self.SECTION)
@@ -202,15 +265,19 @@ class DiskTierConfig:
     - ``fsync``: fsync each chunk file before it counts as stored. Default True.
     - ``o_direct``: read and write with O_DIRECT (bypass the page cache). Default False.
     - ``io_threads``: worker threads for file I/O, >= 1. Default 4.
+    - ``file_mode``: octal permissions of chunk files (directories get the matching
+      search bits), whatever the umask: KV can reveal prompts. Default ``"0600"``
+      (owner only); ``"0640"`` lets a group read a shared cache.
     """
 
     SECTION: ClassVar[str] = "disk"
     enabled: bool = True
     path: Path = field(default_factory=_process_default_disk_path)
-    capacity_bytes: int = field(default=32 * _GIB, metadata=at_least(0))
+    capacity_bytes: int = field(default=32 * _GIB, metadata=_BYTES)
     fsync: bool = True
     o_direct: bool = False
     io_threads: int = field(default=4, metadata=at_least(1))
+    file_mode: str = field(default="0600", metadata=rules(check=_file_mode_problem))
 
     def __post_init__(self) -> None:
         validate(self, self.SECTION)
@@ -279,6 +346,26 @@ class S3TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class IntegrityConfig:
+    """Keyed integrity (an HMAC per chunk) for tiers others can write to; see
+    :mod:`lmtier.integrity`. Off unless a key is set.
+
+    - ``key``: the secret key, at least 16 bytes. Default None.
+    - ``key_file``: a file holding the key (read at open; a trailing newline is
+      dropped). Default None. Set ``key`` or ``key_file``, not both.
+    """
+
+    SECTION: ClassVar[str] = "integrity"
+    key: Secret | None = None
+    key_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        validate(self, self.SECTION)
+        if self.key is not None and self.key_file is not None:
+            raise ConfigError("integrity.key and integrity.key_file: set one, not both")
+
+
+@dataclass(frozen=True, slots=True)
 class LMTierConfig:
     """Everything lmtier needs to run, one section per tier.
 
@@ -289,12 +376,13 @@ class LMTierConfig:
     - ``model_id`` / ``model_revision``: the model and its revision, part of every key's
       namespace so that another model never matches. Default ``""``.
     - ``cpu``, ``disk``, ``redis``, ``s3``: the tier sections (see their classes).
+    - ``integrity``: keyed integrity of chunks on shared tiers (see its class).
     - ``log_level``: level for lmtier's loggers, one of DEBUG, INFO, WARNING, ERROR,
       CRITICAL (any case in files and env). Default ``"WARNING"``.
     """
 
     SECTION: ClassVar[str] = ""
-    chunk_size: int = field(default=256, metadata=rules(check=_chunk_size_problem))
+    chunk_size: int = field(default=256, metadata=rules(check=chunk_size_problem))
     hash_algorithm: HashAlgorithm = field(default="xxh3", metadata=rules(normalize=str.lower))
     model_id: str = ""
     model_revision: str = ""
@@ -302,6 +390,7 @@ class LMTierConfig:
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     s3: S3TierConfig = field(default_factory=S3TierConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     log_level: str = field(
         default="WARNING", metadata=rules(check=_log_level_problem, normalize=str.upper)
     )
@@ -318,11 +407,13 @@ class LMTierConfig:
         return to_plain(self, redact)
 
 
-_SECTIONS: dict[str, type[CPUTierConfig | DiskTierConfig | RedisTierConfig | S3TierConfig]] = {
+_Section = CPUTierConfig | DiskTierConfig | RedisTierConfig | S3TierConfig | IntegrityConfig
+_SECTIONS: dict[str, type[_Section]] = {
     "cpu": CPUTierConfig,
     "disk": DiskTierConfig,
     "redis": RedisTierConfig,
     "s3": S3TierConfig,
+    "integrity": IntegrityConfig,
 }
 
 

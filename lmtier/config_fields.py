@@ -21,7 +21,7 @@ from dataclasses import Field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from lmtier.errors import ConfigError
+from lmtier.errors import ConfigError, brief
 from lmtier.secrets import MASK, Secret, SecretURL
 from lmtier.sizes import parse_size
 
@@ -96,15 +96,24 @@ def problem(f: Field[Any], value: Any) -> str | None:
         return None
     is_type = _IS_TYPE.get(base, lambda v: type(v).__name__ == base)
     if not is_type(value):
-        shown = type(value).__name__ if base in ("Secret", "SecretURL") else repr(value)
+        shown = type(value).__name__ if base in ("Secret", "SecretURL") else brief(value)
         return f"must be {_EXPECTED.get(base, base)}, got {shown}"
     check: Check | None = f.metadata.get("check")
     return check(value) if check is not None else None
 
 
 def validate(obj: Any, section: str) -> None:
-    """Raise ConfigError naming ``section.field`` for the first bad field of ``obj``."""
+    """Raise ConfigError naming ``section.field`` for the first bad field of ``obj``.
+
+    A plain ``str`` given for a secret field (``RedisTierConfig(url="redis://...")``)
+    is wrapped first, as loading would have done.
+    """
     prefix = f"{section}." if section else ""
+    for f in fields(obj):
+        base, _ = _kind(f)
+        value = getattr(obj, f.name)
+        if base in ("Secret", "SecretURL") and isinstance(value, str):
+            object.__setattr__(obj, f.name, _FROM_TEXT[base](value))
     for f in fields(obj):
         found = problem(f, getattr(obj, f.name))
         if found is not None:

@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 import yaml
 
-from lmtier.errors import ConfigError
+from lmtier.errors import ConfigError, brief
 from lmtier.secrets import redact_url
 
 __all__ = [
@@ -99,7 +99,7 @@ def flatten(
     out: dict[str, Setting] = {}
     for name, value in data.items():
         if not isinstance(name, str):
-            raise ConfigError(f"config key {name!r} is not a string{note}")
+            raise ConfigError(f"config key {brief(name)} is not a string{note}")
         if name in LMCACHE_KEYS:
             try:
                 mapped = LMCACHE_KEYS[name](value)
@@ -130,7 +130,7 @@ def _put(out: dict[str, Setting], keys: Collection[str], key: str, setting: Sett
         sections = {k.partition(".")[0] for k in keys if "." in k}
         close = difflib.get_close_matches(key, [*keys, *sections, *LMCACHE_KEYS], n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"unknown config key '{key}'{hint}{setting.note}")
+        raise ConfigError(f"unknown config key {brief(key)}{hint}{setting.note}")
     if key in out:
         first = out[key].origin
         both = (
@@ -154,7 +154,9 @@ def from_environment(env: Mapping[str, str], keys: Collection[str]) -> dict[str,
         if key not in keys:
             close = difflib.get_close_matches(key, list(keys), n=1)
             hint = f" (did you mean {env_name(close[0])}?)" if close else ""
-            raise ConfigError(f"unknown config key '{key}' from environment variable {var}{hint}")
+            raise ConfigError(
+                f"unknown config key {brief(key)} from environment variable {var}{hint}"
+            )
         out[key] = Setting(env[var], var, f" (from environment variable {var})")
     return out
 
@@ -178,11 +180,11 @@ def _lmcache_gb(target: str) -> Callable[[Any], list[tuple[str, Any]]]:
             try:
                 number = float(value)
             except ValueError:
-                raise ValueError(f"must be a number of GB, got {value!r}") from None
+                raise ValueError(f"must be a number of GB, got {brief(value)}") from None
         if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise ValueError(f"must be a number of GB, got {value!r}")
+            raise ValueError(f"must be a number of GB, got {brief(value)}")
         if not math.isfinite(number) or number < 0:
-            raise ValueError(f"must be a non-negative number of GB, got {value!r}")
+            raise ValueError(f"must be a non-negative number of GB, got {brief(value)}")
         return [(target, round(number * _GIB))]
 
     return translate
@@ -192,11 +194,11 @@ def _lmcache_local_disk(value: Any) -> list[tuple[str, Any]]:
     if value is None or value is False:
         return [("disk.enabled", False)]
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"must be a path, a file:// URL, or null, got {value!r}")
+        raise ValueError(f"must be a path, a file:// URL, or null, got {brief(value)}")
     if value.startswith("file:"):
         parts = urlsplit(value)
         if parts.netloc not in ("", "localhost") or not parts.path:
-            raise ValueError(f"must be a file:///absolute/path URL, got {value!r}")
+            raise ValueError(f"must be a file:///absolute/path URL, got {brief(value)}")
         value = unquote(parts.path)
     return [("disk.enabled", True), ("disk.path", value)]
 
@@ -213,7 +215,7 @@ def _lmcache_remote_url(value: Any) -> list[tuple[str, Any]]:
         parts = urlsplit(value)
         bucket = parts.netloc.rpartition("@")[2]
         if not bucket:
-            raise ValueError(f"an s3:// URL needs a bucket, got {redact_url(value)!r}")
+            raise ValueError(f"an s3:// URL needs a bucket, got {brief(redact_url(value))}")
         prefix = parts.path.strip("/")
         # Only an explicit prefix replaces ours; a bare s3://bucket keeps "lmtier/".
         return [("s3.bucket", bucket)] + ([("s3.prefix", prefix + "/")] if prefix else [])

@@ -12,14 +12,18 @@ configuration and bugs.
 
     LMTierError
     ├── ConfigError                 invalid or unknown configuration (names the key)
-    ├── InvalidTokensError          token ids that are negative, non-integer or too large
+    ├── InvalidRequestError         a call's arguments that cannot be used (ValueError, TypeError)
+    │   ├── InvalidTokensError      token ids that are negative, non-integer or too large
+    │   └── InvalidKVError          KV whose dtype, shape or device does not match the cache
+    ├── CacheClosedError            a cache used after close (RuntimeError)
     ├── CorruptChunk                bytes that are not a valid chunk; a tier treats it as a miss
     │   ├── BadMagic                not a chunk at all (foreign or zeroed file)
     │   ├── UnsupportedVersion      a chunk from a newer or older format
     │   ├── HeaderTooLarge          a header length beyond the format's limit
     │   ├── TruncatedChunk          fewer bytes than the header promises
     │   ├── ChecksumMismatch        payload bytes changed after encoding
-    │   └── InconsistentChunk       header fields that contradict each other or the size
+    │   ├── InconsistentChunk       header fields that contradict each other or the size
+    │   └── UnauthenticChunk        a MAC that does not match (forged, or another key)
     ├── BackendError                a storage tier failed; the StorageManager turns it into a miss
     │   ├── BackendUnavailable      connection refused, server down, circuit breaker open
     │   └── BackendTimeout          the call did not finish within its timeout
@@ -28,17 +32,24 @@ configuration and bugs.
 
 ``CorruptChunk`` is not a ``BackendError``: decoding validates bytes from anywhere
 (a file, a socket, a test), and a corrupt chunk says nothing about the tier's health.
-The token and config errors also derive from ``ValueError`` so that generic callers
-that validate input with ``except ValueError`` keep working.
+The request and config errors also derive from ``ValueError`` (and request errors
+from ``TypeError``, since a wrong type is one of them) so that generic callers that
+validate input with ``except ValueError`` keep working.
+
+Messages quote what the user passed with :func:`brief`: a bounded repr, so that a
+10 MB string or a YAML alias bomb never becomes a 10 MB error message.
 """
 
 from __future__ import annotations
+
+import reprlib
 
 __all__ = [
     "BackendError",
     "BackendTimeout",
     "BackendUnavailable",
     "BadMagic",
+    "CacheClosedError",
     "CapacityError",
     "ChecksumMismatch",
     "ConfigError",
@@ -46,11 +57,30 @@ __all__ = [
     "HandleError",
     "HeaderTooLarge",
     "InconsistentChunk",
+    "InvalidKVError",
+    "InvalidRequestError",
     "InvalidTokensError",
     "LMTierError",
     "TruncatedChunk",
+    "UnauthenticChunk",
     "UnsupportedVersion",
+    "brief",
 ]
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = 60
+_BRIEF.maxother = 60
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 6
+_BRIEF.maxlevel = 3
+
+
+def brief(value: object) -> str:
+    """A repr of ``value`` of bounded length (about 100 characters at most), for error
+    messages that quote user input: nested and shared structures are cut, never expanded."""
+    try:
+        return _BRIEF.repr(value)
+    except Exception:  # a hostile __repr__: say what it is, not what it claims
+        return f"<{type(value).__name__}>"
 
 
 class LMTierError(Exception):
@@ -61,8 +91,21 @@ class ConfigError(LMTierError, ValueError):
     """Configuration that cannot be used: an unknown key, a bad value, a bad file."""
 
 
-class InvalidTokensError(LMTierError, ValueError):
+class InvalidRequestError(LMTierError, ValueError, TypeError):
+    """Arguments of a call that cannot be used: the message names the argument and what
+    to pass instead. Nothing was stored, loaded or changed."""
+
+
+class InvalidTokensError(InvalidRequestError):
     """Token ids that cannot be hashed: negative, non-integer, or out of range."""
+
+
+class InvalidKVError(InvalidRequestError):
+    """KV tensors that do not match the cache's KVSpec (dtype, shape, layers, device)."""
+
+
+class CacheClosedError(LMTierError, RuntimeError):
+    """A cache (or one of its parts) used after ``close()`` or before ``start()``."""
 
 
 class CorruptChunk(LMTierError):
@@ -91,6 +134,10 @@ class ChecksumMismatch(CorruptChunk):
 
 class InconsistentChunk(CorruptChunk):
     """Header fields contradict each other (shape, dtype and payload size disagree)."""
+
+
+class UnauthenticChunk(CorruptChunk):
+    """The chunk's MAC does not match: written without the integrity key, or forged."""
 
 
 class BackendError(LMTierError):

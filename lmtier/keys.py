@@ -5,7 +5,8 @@ lookup walks chunk by chunk and stops at the first miss, and a key found in any
 tier on any machine stands for exactly one prefix under one namespace::
 
     ns   = xxh3_128(msgpack([tag, version, model_id, revision, kv_dtype, kv_layout,
-                              chunk_size, tp_size, tp_rank, format_version, cache_salt]))
+                              num_layers, num_kv_heads, head_dim, chunk_size,
+                              tp_size, tp_rank, format_version, cache_salt]))
     k[0] = xxh3_128(ns     || w || tokens[0:C]       || extra[0])
     k[i] = xxh3_128(k[i-1] || w || tokens[iC:(i+1)C] || extra[i])
 
@@ -21,8 +22,9 @@ directory, a Redis key or S3 prefix per model revision and tenant), so one model
 one tenant's cache can be listed, expired or deleted without touching the rest.
 
 Everything that makes KV differ for equal tokens is in the namespace digest, so a
-new model revision, dtype, layout, TP rank or tenant (``cache_salt``) matches no
-old key: invalidation and isolation are one mechanism. Python's ``hash()`` is never
+new model revision, dtype, layout, KV geometry (layers, KV heads, head size), TP
+rank or tenant (``cache_salt``) matches no old key: invalidation and isolation are
+one mechanism. Python's ``hash()`` is never
 used (it is salted per process).
 
 A second, vLLM-compatible algorithm lives in :mod:`lmtier.vllm_hash`; both satisfy
@@ -40,7 +42,7 @@ import numpy as np
 import xxhash
 
 from lmtier.chunk_format import FORMAT_VERSION
-from lmtier.errors import ConfigError
+from lmtier.errors import ConfigError, brief
 from lmtier.tokens import INT32_LIMIT, TokenArray, TokenInput, as_token_array
 
 __all__ = [
@@ -74,7 +76,7 @@ def split_key(key: ChunkKey) -> tuple[bytes, bytes]:
 HashAlgorithm = Literal["xxh3", "vllm"]
 
 _NAMESPACE_TAG = "lmtier.namespace"
-_NAMESPACE_SCHEME_VERSION = 1
+_NAMESPACE_SCHEME_VERSION = 2  # 2: the KV geometry joined the namespace
 _WIDTH_INT32 = b"\x04"
 _WIDTH_INT64 = b"\x08"
 
@@ -85,15 +87,21 @@ class Namespace:
 
     Fields: ``model_id`` and ``model_revision`` (a weights fingerprint: a new
     revision invalidates every key), ``kv_dtype`` and ``kv_layout`` (as stored in
-    chunks), ``chunk_size`` (tokens per chunk), ``tp_size``/``tp_rank`` (each
-    tensor-parallel rank stores its own shard), ``format_version`` (of the chunk
-    format), ``cache_salt`` (a tenant's secret; equal salts share, others never do).
+    chunks), ``num_layers``/``num_kv_heads``/``head_dim`` (the KV geometry; 0 means
+    unspecified, for keys computed without a model at hand), ``chunk_size`` (tokens
+    per chunk), ``tp_size``/``tp_rank`` (each tensor-parallel rank stores its own
+    shard), ``format_version`` (of the chunk format), ``cache_salt`` (a tenant's
+    secret; equal salts share, others never do). A field of the wrong type is a
+    ConfigError naming it.
     """
 
     model_id: str
     model_revision: str = ""
     kv_dtype: str = "float32"
     kv_layout: str = "LKTHD"
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
     chunk_size: int = 256
     tp_size: int = 1
     tp_rank: int = 0
@@ -102,6 +110,14 @@ class Namespace:
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("model_id", "model_revision", "kv_dtype", "kv_layout", "cache_salt"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {brief(value)}")
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
@@ -114,6 +130,9 @@ class Namespace:
                 self.model_revision,
                 self.kv_dtype,
                 self.kv_layout,
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
                 self.chunk_size,
                 self.tp_size,
                 self.tp_rank,
@@ -130,6 +149,7 @@ class Namespace:
         return (
             f"Namespace(model_id={self.model_id!r}, model_revision={self.model_revision!r}, "
             f"kv_dtype={self.kv_dtype!r}, kv_layout={self.kv_layout!r}, "
+            f"kv_geometry={self.num_layers}x{self.num_kv_heads}x{self.head_dim}, "
             f"chunk_size={self.chunk_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"format_version={self.format_version}, cache_salt={salt}, "
             f"id={self.digest.hex()[:12]})"

@@ -19,11 +19,14 @@ import torch
 from lmtier.chunk_format import (
     DTYPE_ITEMSIZE,
     LAYOUTS,
+    ChunkGeometry,
     ChunkMeta,
     DecodedChunk,
+    MacSigner,
     encoded_size,
     header_bytes,
 )
+from lmtier.errors import InvalidKVError, brief
 from lmtier.keys import KEY_BYTES, ChunkKey, split_key
 from lmtier.memory import SlabHandle
 
@@ -31,10 +34,12 @@ __all__ = [
     "KVSource",
     "KVSpec",
     "LayerKV",
+    "check_kv",
     "chunk_tensor",
     "encode_kv_into",
-    "kv_num_tokens",
     "narrow_kv",
+    "payload_tensor",
+    "seal_slab",
     "torch_dtype",
 ]
 
@@ -71,8 +76,13 @@ class KVSpec:
     layout: str = "LKTHD"
 
     def __post_init__(self) -> None:
-        if min(self.num_layers, self.num_kv_heads, self.head_dim) < 1:
-            raise ValueError(f"KVSpec dimensions must be >= 1: {self}")
+        dims = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if any(not isinstance(d, int) or isinstance(d, bool) for d in dims) or min(dims) < 1:
+            raise ValueError(f"KVSpec dimensions must be ints >= 1: {self}")
+        if self.layout == "LTD" and self.num_kv_heads != 1:
+            raise ValueError(
+                f"the LTD layout (MLA) has one latent per token: num_kv_heads=1, {self}"
+            )
         if self.layout not in LAYOUTS:
             raise ValueError(
                 f"unknown KV layout {self.layout!r}; expected one of {sorted(LAYOUTS)}"
@@ -131,15 +141,79 @@ class KVSpec:
         """Encoded size of one full chunk: the pool's slab size."""
         return encoded_size(self.meta(ChunkKey(bytes(KEY_BYTES)), chunk_size))
 
+    def geometry(self, chunk_size: int) -> ChunkGeometry:
+        """What every full chunk of ``chunk_size`` tokens of this spec looks like."""
+        return ChunkGeometry(self.dtype, self.layout, self.shape(chunk_size))
+
 
 LAYOUTS_TOKEN_AXIS = {"LKTHD": 2, "KLTHD": 2, "LTD": 1}
 
 
-def kv_num_tokens(kv: KVSource, spec: KVSpec) -> int:
-    """Tokens covered by ``kv``."""
+def check_kv(kv: object, spec: KVSpec) -> int:
+    """How many tokens ``kv`` covers, after checking it matches ``spec`` exactly.
+
+    ``kv`` is one tensor shaped ``spec.shape(n)`` or one ``(K, V)`` pair per layer,
+    each shaped ``(n, num_kv_heads, head_dim)``; of ``spec``'s dtype (never cast
+    silently), strided, on a real device (not ``meta``). Anything else is an
+    :class:`~lmtier.errors.InvalidKVError` that says what was expected; nothing is
+    broadcast.
+    """
     if isinstance(kv, torch.Tensor):
+        _check_tensor("kv", kv, spec)
+        expected = (
+            spec.shape(int(kv.shape[spec.token_axis])) if kv.dim() == len(spec.shape(0)) else None
+        )
+        if tuple(kv.shape) != expected:
+            raise InvalidKVError(
+                f"kv has shape {tuple(kv.shape)}; this cache needs {spec.shape(0)} with any "
+                f"number of tokens on axis {spec.token_axis} ({spec.layout})"
+            )
         return int(kv.shape[spec.token_axis])
-    return min((int(k.shape[0]) for k, _ in kv), default=0)
+    if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence):
+        raise InvalidKVError(
+            f"kv must be a torch.Tensor shaped {spec.shape(0)} (any token count) or a "
+            f"sequence of (K, V) tensor pairs per layer, got {type(kv).__name__}"
+        )
+    if spec.layout == "LTD":
+        raise InvalidKVError("per-layer (K, V) pairs need a K/V layout; pass one LTD tensor")
+    if len(kv) != spec.num_layers:
+        raise InvalidKVError(f"kv has {len(kv)} layers; this cache has {spec.num_layers}")
+    tokens: int | None = None
+    for layer, pair in enumerate(kv):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidKVError(f"kv[{layer}] must be a (K, V) pair of tensors, got {brief(pair)}")
+        for name, tensor in zip("KV", pair, strict=True):
+            where = f"kv[{layer}] {name}"
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidKVError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
+            _check_tensor(where, tensor, spec)
+            shape = tuple(tensor.shape)
+            if len(shape) != 3 or shape[1:] != (spec.num_kv_heads, spec.head_dim):
+                raise InvalidKVError(
+                    f"{where} has shape {shape}; expected (tokens, {spec.num_kv_heads}, "
+                    f"{spec.head_dim})"
+                )
+            if tokens is not None and shape[0] != tokens:
+                raise InvalidKVError(
+                    f"{where} covers {shape[0]} tokens, other K/V tensors cover {tokens}: "
+                    "every layer's K and V must cover the same tokens"
+                )
+            tokens = shape[0]
+    return tokens or 0
+
+
+def _check_tensor(where: str, tensor: torch.Tensor, spec: KVSpec) -> None:
+    dtype = torch_dtype(spec.dtype)
+    if tensor.dtype != dtype:
+        raise InvalidKVError(
+            f"{where} has dtype {tensor.dtype}; this cache stores {dtype} (KVSpec.dtype): "
+            "convert it first, nothing is cast silently"
+        )
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
+        raise InvalidKVError(
+            f"{where} is a {tensor.layout} tensor on {tensor.device}; KV must be a dense "
+            "tensor holding real data"
+        )
 
 
 def narrow_kv(kv: KVSource, spec: KVSpec, start: int, length: int) -> KVSource:
@@ -149,26 +223,43 @@ def narrow_kv(kv: KVSource, spec: KVSpec, start: int, length: int) -> KVSource:
     return [(k.narrow(0, start, length), v.narrow(0, start, length)) for k, v in kv]
 
 
-def encode_kv_into(handle: SlabHandle, meta: ChunkMeta, kv: KVSource) -> int:
-    """Encode ``kv`` (shape ``meta.shape``, or per-layer pairs; any strides/device) into a slab.
-
-    The payload is copied once, straight to its place in the slab (a strided gather,
-    or a device-to-host copy, done by torch), then hashed once for the header.
-    Returns the encoded length.
-    """
+def payload_tensor(handle: SlabHandle, meta: ChunkMeta) -> torch.Tensor:
+    """The payload region of a slab as a tensor of ``meta``'s dtype and shape (a view):
+    where an encoder copies KV before :func:`seal_slab` frames it in place."""
     offset = encoded_size(meta) - meta.nbytes
     end = offset + meta.nbytes
     if end > len(handle.view):
         raise ValueError(f"chunk of {end} bytes does not fit a {len(handle.view)}-byte slab")
-    target = handle.tensor[offset:end].view(torch_dtype(meta.dtype)).view(meta.shape)
+    return handle.tensor[offset:end].view(torch_dtype(meta.dtype)).view(meta.shape)
+
+
+def seal_slab(handle: SlabHandle, meta: ChunkMeta, sign: MacSigner | None = None) -> int:
+    """Write the header in front of a payload already in place (one checksum pass, and
+    one MAC pass with ``sign``). Returns the encoded length. Call it only once the
+    payload's copy has finished."""
+    offset = encoded_size(meta) - meta.nbytes
+    end = offset + meta.nbytes
+    handle.view[:offset] = header_bytes(meta, handle.view[offset:end], sign)
+    return end
+
+
+def encode_kv_into(
+    handle: SlabHandle, meta: ChunkMeta, kv: KVSource, sign: MacSigner | None = None
+) -> int:
+    """Encode ``kv`` (checked by :func:`check_kv`; any strides/device) into a slab.
+
+    The payload is copied once, straight to its place in the slab (a strided gather,
+    or a device-to-host copy, done by torch), then hashed once for the header (and
+    MACed with ``sign``). Returns the encoded length.
+    """
+    target = payload_tensor(handle, meta)
     if isinstance(kv, torch.Tensor):
         if tuple(kv.shape) != meta.shape:
             raise ValueError(f"KV tensor has shape {tuple(kv.shape)}, the chunk needs {meta.shape}")
         target.copy_(kv)
     else:
         _copy_layers(target, meta, kv)
-    handle.view[:offset] = header_bytes(meta, handle.view[offset:end])
-    return end
+    return seal_slab(handle, meta, sign)
 
 
 def _copy_layers(target: torch.Tensor, meta: ChunkMeta, kv: Sequence[LayerKV]) -> None:

@@ -24,6 +24,11 @@ a slab of :class:`HostPool`. Why it is built this way:
   CPU-only torch build raises on ``pin_memory=True``, so ``pin=None`` asks
   ``torch.cuda.is_available()`` and ``pin=True`` without CUDA is a ``ValueError``.
 
+* **Never more than the machine has.** Asking for more memory than the machine's
+  physical memory is a :class:`~lmtier.errors.CapacityError` before anything is
+  allocated (touching it all would bring the OOM killer, not an error), and an
+  allocation the allocator refuses is one too, naming the size.
+
 An exhausted pool is an expected condition: :meth:`HostPool.acquire` returns ``None``
 and the caller evicts and retries. The pool never blocks and never busy-waits.
 """
@@ -31,16 +36,26 @@ and the caller evicts and retries. The pool never blocks and never busy-waits.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
 
 from lmtier.chunk_format import align_up
 from lmtier.errors import CapacityError, HandleError
+from lmtier.sizes import format_size
 
-__all__ = ["HostPool", "SlabHandle"]
+__all__ = ["HostPool", "SlabHandle", "physical_memory_bytes"]
 
 logger = logging.getLogger(__name__)
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_sizes(slab_bytes: int, align: int) -> None:
@@ -169,12 +184,25 @@ class HostPool:
         self._pinned = cuda if pin is None else pin
         self._slab_bytes = align_up(slab_bytes, align)
         self._num_slabs = num_slabs
+        size = num_slabs * self._slab_bytes + align
+        physical = physical_memory_bytes()
+        if physical is not None and size > physical:
+            raise CapacityError(
+                f"the host pool would need {format_size(size)} of host memory, more than this "
+                f"machine's {format_size(physical)}: lower cpu.capacity_bytes or "
+                "cpu.staging_bytes"
+            )
         # `align` spare bytes let the first slab start on a boundary wherever the
         # allocator put the region. zero_() touches every page now, not on the hot path.
-        region = torch.empty(
-            num_slabs * self._slab_bytes + align, dtype=torch.uint8, pin_memory=self._pinned
-        )
-        region.zero_()
+        try:
+            region = torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
+            region.zero_()
+        except (RuntimeError, MemoryError) as exc:
+            raise CapacityError(
+                f"cannot allocate {format_size(size)} of host memory for the host pool "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): lower "
+                "cpu.capacity_bytes or cpu.staging_bytes"
+            ) from exc
         start = -region.data_ptr() % align
         whole = region.numpy().data  # a memoryview that keeps the tensor alive
         bounds = [start + i * self._slab_bytes for i in range(num_slabs)]

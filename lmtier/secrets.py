@@ -14,6 +14,7 @@ debug log of its kwargs), and the wrapper stays redacted on every one of those p
 from __future__ import annotations
 
 import hmac
+import re
 from urllib.parse import unquote_plus
 
 __all__ = ["MASK", "REDACTED", "Secret", "SecretURL", "redact_url"]
@@ -43,43 +44,43 @@ _SECRET_QUERY_KEYS = frozenset(
 )
 
 
+_PARAM = re.compile(r"[?&]([^=&?#]*)=")
+
+
 def redact_url(url: str) -> str:
     """Return ``url`` with its password and secret query values replaced by ``***``.
 
-    ``redis://user:pw@host:6379/0?token=t`` becomes ``redis://user:***@host:6379/0?token=***``.
-    The user name, host, port, path and other query values are kept: they are what
-    one needs to debug a connection. Never raises, so logging code can call it on
-    anything. The password is everything between the first ``:`` of the user info
-    and the last ``@`` before the query, so an unencoded ``/`` or ``@`` inside a
-    password is still hidden (over-redacting a path with an ``@`` is the cheaper error).
+    ``redis://user:pw@host:6379/0?db=1&token=t`` becomes
+    ``redis://user:***@host:6379/0?db=1&token=***``. The user name, host, port, path
+    and the query before a secret are kept: they are what one needs to debug a
+    connection. Never raises, so logging code can call it on anything.
+
+    It holds for any password, however badly encoded. Two readings of the URL are
+    redacted together: the password is everything from the first ``:`` after the
+    scheme to the *last* ``@`` (so ``/``, ``?``, ``#`` or ``@`` inside it cannot end
+    it early), and a secret query value runs from its ``=`` to the end (an unencoded
+    ``&``, ``#`` or ``@`` in it could not be told from what follows). Where the two
+    overlap, both go: over-redacting is the cheaper error.
     """
     head, sep, rest = url.partition("://")
     if not sep:
         head, rest = "", url
-    query_start = _first_index(rest, "?#")
-    at = rest.rfind("@", 0, query_start)
-    if at >= 0 and ":" in rest[:at]:
-        user = rest[:at].partition(":")[0]
-        rest = f"{user}:{REDACTED}{rest[at:]}"
-    before_query, qmark, after = rest.partition("?")
-    if qmark:
-        query, hash_mark, fragment = after.partition("#")
-        pairs = [_redact_pair(pair) for pair in query.split("&")]
-        rest = f"{before_query}?{'&'.join(pairs)}{hash_mark}{fragment}"
-    return f"{head}{sep}{rest}"
-
-
-def _first_index(text: str, chars: str) -> int:
-    """Index of the first of ``chars`` in ``text``, or ``len(text)`` if none occurs."""
-    found = [i for i in (text.find(c) for c in chars) if i >= 0]
-    return min(found, default=len(text))
-
-
-def _redact_pair(pair: str) -> str:
-    name, eq, _value = pair.partition("=")
-    if eq and unquote_plus(name).strip().lower() in _SECRET_QUERY_KEYS:
-        return f"{name}={REDACTED}"
-    return pair
+    hidden = [False] * len(rest)
+    at = rest.rfind("@")
+    colon = rest.find(":")
+    if 0 <= colon < at:
+        hidden[colon + 1 : at] = [True] * (at - colon - 1)
+    for match in _PARAM.finditer(rest):
+        if unquote_plus(match[1]).strip().lower() in _SECRET_QUERY_KEYS:
+            hidden[match.end() :] = [True] * (len(rest) - match.end())
+            break
+    out: list[str] = []
+    for index, char in enumerate(rest):
+        if not hidden[index]:
+            out.append(char)
+        elif index == 0 or not hidden[index - 1]:
+            out.append(REDACTED)
+    return f"{head}{sep}{''.join(out)}"
 
 
 class Secret:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from lmtier.errors import ConfigError
+from lmtier.errors import ConfigError, brief
 
 __all__ = ["parse_size", "format_size"]
 
@@ -61,28 +61,30 @@ def parse_size(text: str | int) -> int:
     errors; the message quotes the bad text and lists the units.
     """
     if isinstance(text, bool) or not isinstance(text, (int, str)):
-        raise ConfigError(f"invalid size {text!r}: expected an integer or a string like '8GiB'")
+        raise ConfigError(
+            f"invalid size {brief(text)}: expected an integer or a string like '8GiB'"
+        )
     if isinstance(text, int):
         if text < 0:
-            raise ConfigError(f"invalid size {text!r}: must be >= 0")
+            raise ConfigError(f"invalid size {brief(text)}: must be >= 0")
         return text
     match = _SIZE_RE.fullmatch(text)
     if match is None:
         raise ConfigError(
-            f"invalid size {text!r}: expected a non-negative number and an optional unit "
+            f"invalid size {brief(text)}: expected a non-negative number and an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, K, M, G, T)"
         )
     if match["sign"] == "-" and Fraction(match["number"]) != 0:
-        raise ConfigError(f"invalid size {text!r}: must be >= 0")
+        raise ConfigError(f"invalid size {brief(text)}: must be >= 0")
     unit = match["unit"].lower()
     if unit not in _UNITS:
         raise ConfigError(
-            f"invalid size {text!r}: unknown unit {match['unit']!r} "
+            f"invalid size {brief(text)}: unknown unit {brief(match['unit'])} "
             "(use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, K, M, G or T)"
         )
     number = Fraction(match["number"])
     if _UNITS[unit] == 1 and number.denominator != 1:
-        raise ConfigError(f"invalid size {text!r}: not a whole number of bytes")
+        raise ConfigError(f"invalid size {brief(text)}: not a whole number of bytes")
     return round(number * _UNITS[unit])
 
 
@@ -94,7 +96,7 @@ def format_size(num_bytes: int) -> str:
     of ``n`` (under 0.5%), and exact whenever ``n`` is a whole multiple of that unit.
     """
     if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
-        raise ValueError(f"format_size needs a non-negative int, got {num_bytes!r}")
+        raise ValueError(f"format_size needs a non-negative int, got {brief(num_bytes)}")
     for index, (name, size) in enumerate(_BINARY_UNITS):
         if num_bytes >= size:
             hundredths = round(Fraction(num_bytes * 100, size))

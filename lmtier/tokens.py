@@ -20,7 +20,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from lmtier.errors import InvalidTokensError
+from lmtier.errors import InvalidTokensError, brief
 
 __all__ = ["INT32_LIMIT", "MAX_TOKEN_ID", "TokenArray", "TokenInput", "as_token_array"]
 
@@ -100,8 +100,19 @@ def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
         raise InvalidTokensError(f"token ids are not a flat sequence of integers: {exc}") from exc
     if array.dtype == object:
         raise InvalidTokensError(
-            f"token ids are not all integers that fit in int64 (first element: {tokens[0]!r})"
+            f"token ids are not all integers that fit in int64 (first element: {brief(tokens[0])})"
         )
+    if array.dtype.kind in "iu":
+        # numpy turns True among ints into 1 silently. Only the 0s and 1s can have been
+        # bools, and prompts hold few of them: a vectorised pass finds them (~0.2 ns a
+        # token), and only those elements are looked at (a type check of every element
+        # would cost ~13 ns a token, as much as hashing it).
+        for index in np.flatnonzero((array == 0) | (array == 1)).tolist():
+            if isinstance(tokens[index], (bool, np.bool_)):
+                raise InvalidTokensError(
+                    f"token ids must be integers, got the bool {tokens[index]!r} at "
+                    f"position {index}"
+                )
     return array
 
 

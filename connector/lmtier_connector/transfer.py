@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmtier.chunk_format import ChunkMeta, DecodedChunk, encoded_size, header_bytes
-from lmtier.kv_spec import chunk_tensor, torch_dtype
+from lmtier.chunk_format import ChunkMeta, DecodedChunk
+from lmtier.kv_spec import chunk_tensor, payload_tensor, seal_slab
 from lmtier.memory import SlabHandle
 from lmtier_connector.paged_kv import PagedKVCache, as_3d, bit_view, split_tokens
 
@@ -68,8 +68,6 @@ __all__ = [
     "load_chunk_from_slab",
     "save_chunk_into_slab",
     "scatter",
-    "seal_slab",
-    "slab_payload",
 ]
 
 BlockIds = Sequence[int] | torch.Tensor
@@ -222,36 +220,12 @@ def scatter(chunk: torch.Tensor, pages: PagedKVCache, block_ids: BlockIds) -> No
     _whole(pages, run, view, save=False)
 
 
-def slab_payload(handle: SlabHandle, meta: ChunkMeta) -> torch.Tensor:
-    """The payload region of a slab as a tensor of ``meta``'s dtype and shape (a view).
-
-    Where :func:`lmtier.kv_spec.encode_kv_into` would put the payload, so that
-    :func:`seal_slab` can then frame it without moving it.
-    """
-    offset = encoded_size(meta) - meta.nbytes
-    end = offset + meta.nbytes
-    if end > len(handle.view):
-        raise ValueError(f"chunk of {end} bytes does not fit a {len(handle.view)}-byte slab")
-    return handle.tensor[offset:end].view(torch_dtype(meta.dtype)).view(meta.shape)
-
-
-def seal_slab(handle: SlabHandle, meta: ChunkMeta) -> int:
-    """Write the header in front of a payload already in place (one checksum pass).
-
-    Returns the encoded length. Call it only once the payload's copy has finished.
-    """
-    offset = encoded_size(meta) - meta.nbytes
-    end = offset + meta.nbytes
-    handle.view[:offset] = header_bytes(meta, handle.view[offset:end])
-    return end
-
-
 def save_chunk_into_slab(
     pages: PagedKVCache, block_ids: BlockIds, handle: SlabHandle, meta: ChunkMeta
 ) -> int:
     """Gather a run of blocks straight into a slab and encode it there, like
     ``encode_kv_into``: one copy of the payload, one checksum pass. Returns the length."""
-    gather(pages, block_ids, slab_payload(handle, meta))
+    gather(pages, block_ids, payload_tensor(handle, meta))
     return seal_slab(handle, meta)
 
 
@@ -421,7 +395,8 @@ class TransferEngine:
 
     def begin_save(self, block_ids: Sequence[BlockIds], outs: Sequence[torch.Tensor]) -> SaveHandle:
         """Prepare saving the runs ``block_ids[j]`` into ``outs[j]`` (chunk-layout tensors,
-        e.g. :func:`slab_payload`); nothing is copied until ``save_layer``/``save_all``."""
+        e.g. :func:`lmtier.kv_spec.payload_tensor`); nothing is copied until
+        ``save_layer``/``save_all``."""
         pages, stream = self._pages, self._save_stream
         views = [pages.chunk_view(out) for out in outs]
         counts = [view.shape[-3] for view in views]

@@ -206,7 +206,7 @@ def lookup_keys(cache: LMTier, keys: Sequence[ChunkKey]) -> int:
 
 def get_keys(cache: LMTier, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
     """Load the leading servable chunks of ``keys`` (release each when copied out)."""
-    return cache.load_keys(keys).chunks
+    return cache.load_keys(keys).detach()
 
 
 def acquire_slabs(cache: LMTier, count: int) -> list[SlabHandle]:

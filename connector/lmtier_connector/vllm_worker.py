@@ -44,17 +44,11 @@ from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 from lmtier.api import LMTier
 from lmtier.chunk_format import ChunkMeta
 from lmtier.keys import ChunkKey
-from lmtier.kv_spec import KVSpec, chunk_tensor
+from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor
 from lmtier.memory import SlabHandle
 from lmtier.storage_manager import LoadedChunk
 from lmtier_connector.paged_kv import PagedKVCache
-from lmtier_connector.transfer import (
-    LoadHandle,
-    SaveHandle,
-    TransferEngine,
-    seal_slab,
-    slab_payload,
-)
+from lmtier_connector.transfer import LoadHandle, SaveHandle, TransferEngine
 from lmtier_connector.vllm_meta import (
     LMTierConnectorMetadata,
     LMTierKVEvents,
@@ -63,7 +57,6 @@ from lmtier_connector.vllm_meta import (
     acquire_slabs,
     chunk_keys,
     get_keys,
-    lookup_keys,
     put_encoded,
     stored_chunk_event,
 )
@@ -247,7 +240,9 @@ class WorkerHalf:
         wanted: list[tuple[SaveSpec, int, ChunkKey]] = []
         for save in saves:
             keys = chunk_keys(self.cache, save.refs)
-            present = lookup_keys(self.cache, keys)  # stored by an earlier request
+            # Stored by an earlier request? Asked of local tiers only: a save never waits
+            # on a remote tier (a chunk only a remote holds is stored again).
+            present = self.cache.lookup_keys(keys, local_only=True).num_chunks
             wanted.extend((save, index, keys[index]) for index in range(present, len(keys)))
         if not wanted:
             return
@@ -259,7 +254,7 @@ class WorkerHalf:
         for (save, index, key), handle in zip(wanted, handles, strict=False):
             meta = self.spec.meta(key, size)
             base = (save.refs.first_chunk + index) * size
-            outs.append(slab_payload(handle, meta))
+            outs.append(payload_tensor(handle, meta))
             runs.append(self._kernel_ids(save.block_ids, base, base + size))
             slabs.append(_Slab(key, handle, meta, save, index))
         saving = self._engine().begin_save(runs, outs)
@@ -286,7 +281,7 @@ class WorkerHalf:
     def _seal_and_store(self, step: _StepSave) -> None:
         try:
             step.handle.wait()
-            sealed = [(s.key, s.handle, seal_slab(s.handle, s.meta)) for s in step.slabs]
+            sealed = [(s.key, s.handle, self.cache.seal_slab(s.handle, s.meta)) for s in step.slabs]
         except BaseException:
             for slab in step.slabs:
                 slab.handle.release()

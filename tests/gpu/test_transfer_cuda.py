@@ -13,10 +13,10 @@ import torch
 
 from lmtier.chunk_format import decode
 from lmtier.keys import ChunkKey
-from lmtier.kv_spec import KVSpec, chunk_tensor
+from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor, seal_slab
 from lmtier.memory import HostPool, SlabHandle
 from lmtier_connector.paged_kv import PagedKVCache
-from lmtier_connector.transfer import TransferEngine, gather, seal_slab, slab_payload
+from lmtier_connector.transfer import TransferEngine, gather
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,7 +60,7 @@ def test_async_save_then_load_round_trip_through_pinned_slabs() -> None:
     runs, counts = [[3, 9, 1, 40], [7, 8, 60]], [64, 37]  # a full chunk and a partial one
     pool, handles = slabs(spec, 2, 64)
     metas = [spec.meta(KEY, n) for n in counts]
-    outs = [slab_payload(h, m) for h, m in zip(handles, metas, strict=True)]
+    outs = [payload_tensor(h, m) for h, m in zip(handles, metas, strict=True)]
     assert all(out.is_pinned() for out in outs)
 
     save = engine.start_save(runs, outs)
@@ -90,9 +90,9 @@ def test_wait_layer_in_any_order_orders_compute_after_that_layer() -> None:
     pool, handles = slabs(spec, 1, 256)
     meta = spec.meta(KEY, 256)
     run = list(range(16))
-    gather(source, run, slab_payload(handles[0], meta))
+    gather(source, run, payload_tensor(handles[0], meta))
     pages = PagedKVCache(spec, 32, 16, device="cuda")
-    load = engine_for(pages).start_load([slab_payload(handles[0], meta)], [run[::-1]])
+    load = engine_for(pages).start_load([payload_tensor(handles[0], meta)], [run[::-1]])
     for layer in (5, 0, 3, 1, 4, 2):
         load.wait_layer(layer)  # reads below are ordered after that layer's copies
         assert torch.equal(pages.layer(layer)[:, run[::-1]], source.layer(layer)[:, run])
@@ -104,7 +104,7 @@ def test_layer_zero_is_usable_before_the_last_layer_lands() -> None:
     num_tokens = 8192
     pages = PagedKVCache(spec, num_tokens // 16, 16, device="cuda")
     pool, handles = slabs(spec, 1, num_tokens)
-    payload = slab_payload(handles[0], spec.meta(KEY, num_tokens))
+    payload = payload_tensor(handles[0], spec.meta(KEY, num_tokens))
     payload.fill_(1.0)
     compute = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
@@ -128,7 +128,7 @@ def test_saves_do_not_block_the_host_and_wait_for_compute() -> None:
     spec = KVSpec(4, 8, 128, "bfloat16")
     pages = random_pages(spec, 64)
     pool, handles = slabs(spec, 1, 256)
-    out = slab_payload(handles[0], spec.meta(KEY, 256))
+    out = payload_tensor(handles[0], spec.meta(KEY, 256))
     engine = TransferEngine(pages)
     engine.start_save([list(range(16))], [out]).wait()  # warm up kernels and allocations
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
-from lmtier.errors import InvalidTokensError
+from lmtier.errors import CacheClosedError, InvalidTokensError
 
 CHUNK = 32
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
@@ -135,8 +135,9 @@ def test_closed_cache_refuses_work() -> None:
     cache = LMTier.open(config(), kv=SPEC, model_id="m")
     cache.close()
     cache.close()
-    with pytest.raises(RuntimeError, match="not started"):
+    with pytest.raises(CacheClosedError, match="closed"):
         cache.lookup(list(range(32)))
+    assert issubclass(CacheClosedError, RuntimeError)  # generic callers keep working
 
 
 def test_store_from_per_layer_pairs_equals_store_from_one_tensor() -> None:

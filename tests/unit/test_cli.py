@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.cli import main
+from lmtier.config import DiskTierConfig
 from lmtier.keys import Namespace, chunk_keys
 
 
@@ -97,3 +100,40 @@ def test_help_describes_the_keys_command() -> None:
     )
     for option in ("--chunk-size", "--model-id", "--cache-salt", "--hash", "--sample"):
         assert option in result.stdout
+
+
+def test_chunk_size_is_checked_as_the_config_checks_it() -> None:
+    for size in ("17", "0", str(2**40)):
+        code, out, err = run_cli(["keys", "--sample", "--chunk-size", size])
+        assert (code, out) == (2, "")
+        assert "--chunk-size must be a positive multiple of 16" in err
+
+
+def test_keys_for_a_geometry_are_the_keys_a_cache_of_it_uses() -> None:
+    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=8, dtype="bfloat16")
+    config = LMTierConfig(chunk_size=16, disk=DiskTierConfig(enabled=False))
+    tokens = list(range(50))
+    args = ["keys", "--chunk-size", "16", "--model-id", "m", "--cache-salt", "t"]
+    args += ["--num-layers", "2", "--num-kv-heads", "4", "--head-dim", "8"]
+    code, out, _ = run_cli([*args, "--kv-dtype", "bfloat16"], stdin=" ".join(map(str, tokens)))
+    assert code == 0
+    with LMTier.open(config, kv=spec, model_id="m") as cache:
+        assert out.split() == [key.hex() for key in cache.keys(tokens, cache_salt="t")]
+    # Another geometry or dtype: other keys.
+    _, other, _ = run_cli(args, stdin=" ".join(map(str, tokens)))
+    assert set(other.split()).isdisjoint(out.split())
+
+
+@pytest.mark.parametrize("password", ["p@ss#w/rd?1", "x%23y"])
+def test_verbose_output_never_shows_a_redis_password(password: str) -> None:
+    env = {**os.environ, "LMTIER_REDIS__URL": f"redis://default:{password}@cache:6379/0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lmtier.cli", "-vv", "keys", "--sample"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert password not in result.stdout + result.stderr
+    if result.returncode:  # an unencoded delimiter: one clear line, naming the setting
+        assert "redis.url" in result.stderr and "percent-encode" in result.stderr

@@ -381,8 +381,11 @@ def test_direct_construction_is_validated() -> None:
         DiskTierConfig(path=Path("/x"), io_threads="4")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^s3\.bucket: must not be empty"):
         S3TierConfig(bucket="  ")
-    with pytest.raises(ConfigError, match=r"^redis\.url: must be a URL string, got str$"):
-        RedisTierConfig(url="redis://:pw@h")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^redis\.url: must be a URL string, got int$"):
+        RedisTierConfig(url=6379)  # type: ignore[arg-type]
+    # A plain string is wrapped, as loading would: the secret stays hidden.
+    direct = RedisTierConfig(url="redis://:pw@h")  # type: ignore[arg-type]
+    assert isinstance(direct.url, SecretURL) and "pw" not in repr(direct)
 
 
 def test_negative_capacity_message(env: dict[str, str]) -> None:
@@ -708,7 +711,7 @@ def test_secrets_never_appear_in_repr_str_dict_or_logs(
     ):
         for secret in SECRETS:
             assert secret not in text
-    assert cfg.to_dict()["redis"]["url"] == "rediss://default:***@cache:6380/0?password=***&db=1"
+    assert cfg.to_dict()["redis"]["url"] == "rediss://default:***@cache:6380/0?password=***"
     assert cfg.to_dict()["s3"]["secret_access_key"] == "**********"
 
 
@@ -795,12 +798,16 @@ def test_secret_url_repr_equality_and_scheme() -> None:
         ("redis://:pw@h:6379", "redis://:***@h:6379"),
         ("redis://user:pw@h", "redis://user:***@h"),
         ("redis://user@h", "redis://user@h"),
-        ("redis://h/0?password=pw&db=1", "redis://h/0?password=***&db=1"),
+        # A secret value runs to the end: an unencoded & or # in it would leak the rest.
+        ("redis://h/0?password=pw&db=1", "redis://h/0?password=***"),
         ("redis://h/0?db=1&TOKEN=t", "redis://h/0?db=1&TOKEN=***"),
-        ("https://h/?X-Amz-Signature=abc&x=1", "https://h/?X-Amz-Signature=***&x=1"),
+        ("https://h/?X-Amz-Signature=abc&x=1", "https://h/?X-Amz-Signature=***"),
         ("redis://u:p/w@rd@h:1/0", "redis://u:***@h:1/0"),
+        ("redis://:pa#ss@h:1/0", "redis://:***@h:1/0"),
+        ("redis://u:a?b/c#d@h:1/0?db=2", "redis://u:***@h:1/0?db=2"),
         ("unix:///run/redis.sock?password=pw", "unix:///run/redis.sock?password=***"),
-        ("redis://h/0?password=pw#frag", "redis://h/0?password=***#frag"),
+        ("redis://h/0?password=pw#frag", "redis://h/0?password=***"),
+        ("redis://h/0#frag", "redis://h/0#frag"),
         ("not a url", "not a url"),
         ("", ""),
     ],
@@ -816,6 +823,43 @@ _PASSWORD_CHARS = st.text(
 )
 
 
+_ANY_PASSWORD = st.text(min_size=1, max_size=40).filter(lambda p: p.strip() != "")
+"""Any text at all, every URL delimiter included (@ ? # & = : / % + space), unencoded."""
+
+
+@given(
+    scheme=st.sampled_from(["redis", "rediss", "unix", "http"]),
+    user=st.sampled_from(["", "default", "u"]),
+    password=_ANY_PASSWORD,
+    after=st.sampled_from(["cache:6380/0", "cache/0?db=1", "h:1/0#f", "/run/r.sock"]),
+)
+def test_redaction_holds_for_any_password(
+    scheme: str, user: str, password: str, after: str
+) -> None:
+    query = "&" if "?" in after else "?"
+    public = f"SecretURL('{scheme}://{user}:***@{after}{query}db=1&password=&token=')"
+    assume(len(password) >= 3 and password not in public)  # none of the rest spells it
+    for url in (
+        f"{scheme}://{user}:{password}@{after}",
+        f"{scheme}://{after}{query}db=1&password={password}",
+        f"{scheme}://{user}:{password}@{after}{query}token={password}",
+    ):
+        for shown in (redact_url(url), repr(SecretURL(url)), str(SecretURL(url))):
+            assert password not in shown
+
+
+@given(password=_ANY_PASSWORD)
+def test_config_errors_and_reprs_never_show_any_password(password: str) -> None:
+    secret = f"Zq9{password}"  # a prefix no repr or message holds by chance
+    url = f"redis://default:{secret}@cache:6379/0"
+    env = {"HOME": "/nonexistent", "LMTIER_REDIS__URL": url}
+    try:
+        shown = repr(load_config(env=env))
+    except ConfigError as exc:
+        shown = str(exc)
+    assert secret not in shown
+
+
 @given(user=st.sampled_from(["", "default", "u"]), password=_PASSWORD_CHARS, token=_PASSWORD_CHARS)
 def test_redact_url_never_shows_password_or_token(user: str, password: str, token: str) -> None:
     url = f"rediss://{user}:{password}@cache.example:6380/0?token={token}"
@@ -825,3 +869,42 @@ def test_redact_url_never_shows_password_or_token(user: str, password: str, toke
     assert redact_url(url) == shown
     assert repr(SecretURL(url)) == wrapped
     assert password not in repr(SecretURL(url))
+
+
+@pytest.mark.parametrize("url", ["redis://u:p#w@h:1/0", "redis://:a/b@h", "rediss://d:x?y@h:6380"])
+def test_unencoded_delimiters_in_a_password_are_a_clear_error(
+    url: str, env: dict[str, str]
+) -> None:
+    with pytest.raises(ConfigError, match=r"^redis\.url: .*percent-encode") as info:
+        config_from_dict({"redis": {"url": url}}, env=env)
+    secret = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
+    assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"chunk_size": 2**40}, "at most 65536"),
+        ({"cpu": {"capacity_bytes": 10**30}}, "at most 2\\*\\*60 bytes"),
+        ({"disk": {"capacity_bytes": "10000000EiB"}}, "unknown unit|at most"),
+        ({"disk": {"file_mode": "0644x"}}, "octal mode"),
+        ({"disk": {"file_mode": "0400"}}, "owner can read and write"),
+        ({"integrity": {"key": "k", "key_file": "/k"}}, "set one, not both"),
+    ],
+)
+def test_out_of_range_values_fail_at_load(
+    data: dict[str, object], message: str, env: dict[str, str]
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(data, env=env)
+
+
+def test_a_yaml_alias_bomb_is_quoted_briefly(tmp_path: Path, env: dict[str, str]) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 30)]
+    lines.append("chunk_size: *a29")  # 3**29 leaves if expanded
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env=env)
+    assert len(str(info.value)) < 400

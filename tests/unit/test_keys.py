@@ -8,9 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import msgpack
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,17 +194,59 @@ def test_namespace_repr_hides_the_cache_salt() -> None:
 
 # Golden vectors: a silent change of the key scheme must fail here. If the scheme is
 # changed on purpose, bump the namespace scheme version and update these together.
-GOLDEN_NAMESPACE = Namespace(model_id="golden-model", model_revision="r1", chunk_size=4)
+GOLDEN_NAMESPACE = Namespace(
+    model_id="golden-model",
+    model_revision="r1",
+    num_layers=2,
+    num_kv_heads=4,
+    head_dim=8,
+    chunk_size=4,
+)
 GOLDEN_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 2**33, 0]
 GOLDEN = {
-    "namespace": "c619915a99cc00dd3538a036bb8e95d3",
+    "namespace": "10991853780b51422cfba79811159093",
     "xxh3": [
-        "afe51b8dd285575fd736b76cfa30a940",
-        "143699df5137291b0be17f00dfc75ac8",
-        "bb80778e88355018799860eadd921527",
+        "9f3a23a33143c374a624284f47ebac6a",
+        "f9dbb3b583bfb7bb96bae9fc4e47a50a",
+        "2347f57552d7aa32e135725414760721",
     ],
-    "vllm": ["dfb9f20968f56c2c76e921696336b49d", "30bfe5c9a9d28414e0be31fc77cbab35"],
+    "vllm": ["f90f65c92e466a4352d3fa7dbe7ce0f2", "97c7d7068dbb8be210295898c09ccdfe"],
 }
+
+
+def test_namespace_digest_is_the_documented_encoding() -> None:
+    # The scheme of lmtier.keys' docstring, computed independently of Namespace.
+    fields = ["lmtier.namespace", 2, "golden-model", "r1", "float32", "LKTHD"]
+    fields += [2, 4, 8, 4, 1, 0, 2, ""]  # geometry, chunk size, TP, format version, salt
+    expected = xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
+    assert GOLDEN_NAMESPACE.digest == expected
+
+
+def test_kv_geometry_separates_namespaces() -> None:
+    base = dataclasses.replace(GOLDEN_NAMESPACE)
+    for change in (
+        {"num_layers": 3},
+        {"num_kv_heads": 2},
+        {"head_dim": 16},
+        {"kv_dtype": "bfloat16"},
+    ):
+        assert dataclasses.replace(base, **change).digest != base.digest  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model_id": 123},
+        {"cache_salt": 1},
+        {"num_layers": -1},
+        {"head_dim": True},
+        {"tp_rank": 0.5},
+    ],
+)
+def test_namespace_fields_of_the_wrong_type_are_config_errors(bad: dict[str, object]) -> None:
+    fields: dict[str, object] = {"model_id": "m", **bad}
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        Namespace(**fields)  # type: ignore[arg-type]
 
 
 def test_golden_vectors() -> None:
