@@ -1,11 +1,6 @@
 """The local-disk tier: one file per chunk, holding the chunk format's bytes unchanged.
 
-Layout::
-
-    <path>/v1/<c[:2]>/<n><c>.lmtc   n, c = the key's namespace and chain halves, 32 hex
-                                    digits each; 256 shards by chain, so one namespace
-                                    spreads evenly and ``rm v1/*/<n>*`` drops it
-    <path>/v1/tmp/                  temp files of writes in flight
+Layout, permissions and start-up: :mod:`lmtier_backends.disk_dir`.
 
 Atomicity: a write goes to a temp file in ``tmp/`` (same filesystem), is fdatasynced
 when ``fsync`` is on, then ``os.replace``-d into place. A reader opens either the old
@@ -31,10 +26,13 @@ Lookups on any thread (``contains_now``) adopt as well, since a scheduler proces
 only looks up and would otherwise re-stat the workers' files on every lookup; so index
 changes take a lock (uncontended, ~0.1 us), and adopting never evicts (unlinking off
 the loop would race its writes): the next put's reservation evicts down to capacity.
-Capacity is per process, LRU over the files it knows (adopted ones included): give
-every process sharing a directory the same ``capacity_bytes``. Bytes on disk may
-exceed it by files that no process has adopted yet. Temp files carry their writer's
-pid, so an opening process deletes only those of dead writers (or an hour old).
+Capacity holds for the directory, not per process: every write is counted in the
+shared ledger, and a writer that finds the directory over capacity evicts its own
+least recently used files (adopting the others' by a rate-limited rescan when its
+own do not suffice). Give every process sharing a directory the same
+``capacity_bytes``; the overshoot is bounded by the writes in flight at once (see
+the ledger). Temp files carry their writer's pid, so an opening process deletes
+only those of dead writers (or an hour old).
 
 Eviction: capacity counts file sizes on disk. Before a write starts, least recently
 used files are evicted (and unlinked) until it fits; a chunk larger than the whole
@@ -51,33 +49,68 @@ get a buffered read for that call (:mod:`lmtier_backends.disk_io`).
 Failures: any OSError is a miss (reads) or a chunk not stored (writes), counted in
 ``stats.errors`` and logged at WARNING once per errno, never raised; a failed write
 removes its temp file and is not indexed. A file deleted behind our back is a miss
-and leaves the index. Only using a tier that is not open raises (BackendUnavailable).
+and leaves the index. Something that can never be served in place of a chunk file
+(a directory, FIFO, socket or symlink, a file we may not read, a file larger than a
+slab) is :data:`~lmtier.tier.UNSERVABLE`: deleted where we can, counted, and not
+adopted again for ``UNSERVABLE_MEMORY_S``, so lookups stop finding it. Files are
+opened with ``O_NOFOLLOW | O_NONBLOCK`` (:mod:`lmtier_backends.disk_io`): a FIFO
+cannot block a thread. Only using a tier that is not open raises
+(BackendUnavailable); a ``path`` that is a file, read-only or not ours is a
+ConfigError at open.
 
 All file I/O runs in one thread pool of ``io_threads``; each job does a whole
 open/read-or-write/close in one hop (measured faster than aiofiles, which pays one
-executor hop per call: see benchmarks/bench_disk.py).
+executor hop per call: see benchmarks/bench_disk.py). Jobs are awaited through
+:func:`lmtier.blocking.run_blocking`, so a cancelled call returns only once its
+threads are done with its buffers, and ``close()`` returns within
+``CLOSE_TIMEOUT_S`` even if a thread is stuck in the kernel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from lmtier.blocking import finish, run_blocking, shutdown_pool
 from lmtier.config import DiskTierConfig
-from lmtier.errors import BackendUnavailable
+from lmtier.errors import BackendUnavailable, ConfigError
 from lmtier.keys import ChunkKey
 from lmtier.stats import TierStats
-from lmtier.tier import Buffer, Tier, TierProperties
-from lmtier_backends.disk_index import CHUNK_SUFFIX, DiskIndex, admit, scan_chunk_dir, temp_name
-from lmtier_backends.disk_io import file_size, probe_direct, read_file, unlink_all, write_file
+from lmtier.tier import UNSERVABLE, Buffer, Tier, TierProperties
+from lmtier_backends.disk_dir import (
+    CHUNK_SUFFIX,
+    explain_open_error,
+    prepare,
+    scan_chunk_dir,
+    temp_name,
+)
+from lmtier_backends.disk_index import DiskIndex, RecentKeys, admit
+from lmtier_backends.disk_io import (
+    file_signature,
+    probe_direct,
+    read_file,
+    unlink_all,
+    unservable_error,
+    write_file,
+)
+from lmtier_backends.disk_ledger import Ledger
 
-__all__ = ["DiskTier", "open_tier"]
+__all__ = ["CLOSE_TIMEOUT_S", "DiskTier", "open_tier"]
 
 logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 2.0
+"""Longest :meth:`DiskTier.close` waits for writes and threads in flight."""
+UNSERVABLE_MEMORY_S = 60.0
+"""How long a key found unservable (and not deletable) is not adopted again."""
+RESCAN_INTERVAL_S = 30.0
+"""Least time between two rescans that adopt other processes' files for eviction."""
 
 
 class DiskTier(Tier):
@@ -95,8 +128,11 @@ class DiskTier(Tier):
         fsync: bool = True,
         o_direct: bool = False,
         io_threads: int = 4,
+        file_mode: int = 0o600,
         name: str = "disk",
     ) -> None:
+        if not 0 <= file_mode <= 0o777 or file_mode & 0o600 != 0o600:
+            raise ValueError(f"file_mode must let the owner read and write, got {file_mode:o}")
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if io_threads < 1:
@@ -112,11 +148,16 @@ class DiskTier(Tier):
         self.direct_io = False
         """Whether O_DIRECT is in use: requested and supported by the filesystem."""
         self.io_threads = io_threads
+        self.file_mode = file_mode
         self.foreign_files = 0
         """Entries under ``path`` found at open that are not ours (left alone)."""
         self.adopted_files = 0
         """Chunk files found after open (written by other processes) and indexed."""
         self._index = DiskIndex(capacity_bytes)
+        self._ledger = Ledger(self.root)
+        self._unservable = RecentKeys(UNSERVABLE_MEMORY_S)
+        self._rescan: asyncio.Task[None] | None = None
+        self._last_rescan = -RESCAN_INTERVAL_S
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._writes: set[asyncio.Task[int]] = set()
@@ -133,11 +174,22 @@ class DiskTier(Tier):
         fsync: bool = True,
         o_direct: bool = False,
         io_threads: int = 4,
+        file_mode: int = 0o600,
         name: str = "disk",
     ) -> DiskTier:
-        """Create the directories, delete crash debris, rebuild the index, start the pool."""
+        """Create the directories, delete crash debris, rebuild the index, start the pool.
+
+        ConfigError if ``path`` cannot hold chunks (a file in the way, read-only, another
+        user's); the message names the path and the setting to change.
+        """
         tier = cls(
-            path, capacity_bytes, fsync=fsync, o_direct=o_direct, io_threads=io_threads, name=name
+            path,
+            capacity_bytes,
+            fsync=fsync,
+            o_direct=o_direct,
+            io_threads=io_threads,
+            file_mode=file_mode,
+            name=name,
         )
         await tier._start()
         return tier
@@ -146,14 +198,22 @@ class DiskTier(Tier):
         loop = asyncio.get_running_loop()
         pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"lmtier-{self.name}")
         try:
-            scan = await loop.run_in_executor(pool, scan_chunk_dir, self.root)
+            scan = await loop.run_in_executor(
+                pool, prepare, self.root, self.file_mode, self._ledger
+            )
             if self.o_direct:
-                problem = await loop.run_in_executor(pool, probe_direct, self._temp_dir)
+                problem = await loop.run_in_executor(
+                    pool, probe_direct, self._temp_dir, self.file_mode
+                )
                 self.direct_io = problem is None
                 if problem is not None:
                     logger.warning("%s: no O_DIRECT here (%s); buffered I/O", self.name, problem)
-        except BaseException:
+        except BaseException as exc:
             pool.shutdown(wait=False)
+            self._ledger.close()
+            if isinstance(exc, OSError):
+                where = os.path.dirname(self.root)
+                raise ConfigError(explain_open_error(where, exc)) from exc
             raise
         self._pool = pool
         self._index.load(scan.entries)
@@ -199,13 +259,13 @@ class DiskTier(Tier):
         """Whether ``key``'s file exists (one ``lstat``); if so it is indexed (adopted
         unless it was already). Never raises: an OSError is a miss, counted."""
         try:
-            size = file_size(self.path_of(key))
+            found = file_signature(self.path_of(key))
         except OSError as exc:
             self._count_error("stat", exc)
             return False
-        if size is None or key in self._unlinks:  # absent, or being unlinked by us
+        if found is None or key in self._unlinks or key in self._unservable:
             return False
-        if self._index.adopt(key, size):
+        if self._index.adopt(key, found[0]):
             self.adopted_files += 1
         return True
 
@@ -213,14 +273,11 @@ class DiskTier(Tier):
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
     ) -> list[int | None]:
         pool = self._require_pool()
-        loop = asyncio.get_running_loop()
         sizes: list[int | None] = [None] * len(keys)
         # Keys not indexed are read too: another process may have written them.
         known = [key in self._index for key in keys]
-        jobs = [
-            loop.run_in_executor(
-                pool, read_file, self.path_of(key), buffer.cast("B"), self.direct_io
-            )
+        calls = [
+            (read_file, (self.path_of(key), buffer.cast("B"), self.direct_io))
             for key, buffer in zip(keys, buffers, strict=True)
         ]
         # Keys whose new file lands while we read: an ENOENT seen before it landed
@@ -228,7 +285,7 @@ class DiskTier(Tier):
         landed: set[ChunkKey] = set()
         self._landed_watch[id(landed)] = landed
         try:
-            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+            outcomes = await run_blocking(pool, calls)
         finally:
             del self._landed_watch[id(landed)]
         bug: BaseException | None = None
@@ -238,12 +295,16 @@ class DiskTier(Tier):
                     self._index.remove(key)
             elif isinstance(outcome, OSError):
                 self._count_error("read", outcome)
+                if unservable_error(outcome):
+                    sizes[i] = UNSERVABLE
+                    self._unservable.add(key)
             elif isinstance(outcome, BaseException):
                 bug = bug or outcome
+            elif outcome == UNSERVABLE:
+                sizes[i] = UNSERVABLE
+                self._unservable.add(key)
             else:
                 sizes[i] = outcome
-                if outcome is None:
-                    continue
                 if not known[i] and key not in self._unlinks and self._index.adopt(key, outcome):
                     self.adopted_files += 1
                 else:
@@ -273,12 +334,13 @@ class DiskTier(Tier):
                     raise RuntimeError("bug: no room for a put, yet no write in flight")
                 await asyncio.wait(self._writes, return_when=asyncio.FIRST_COMPLETED)
                 continue
-            # Shielded: if the caller is cancelled, the writes still land (or fail) and
-            # are indexed (or released); close() waits for them.
+            # If the caller is cancelled, the writes still land (or fail) and are
+            # indexed (or released), and this call returns only after them: its
+            # buffers are in use until then (the tier contract). close() waits too.
             task = asyncio.ensure_future(self._write(pool, writes, victims))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
-            stored += await asyncio.shield(task)
+            stored += await finish(task)
         return stored
 
     async def _write(
@@ -287,7 +349,6 @@ class DiskTier(Tier):
         writes: list[tuple[ChunkKey, memoryview]],
         victims: list[tuple[ChunkKey, int]],
     ) -> int:
-        loop = asyncio.get_running_loop()
         if victims:  # unlinked before any write starts, so disk usage stays within capacity
             await self._unlink(pool, [key for key, _ in victims])
         # A file of the same key still being unlinked (evicted or deleted by another
@@ -295,28 +356,30 @@ class DiskTier(Tier):
         pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
         if pending:
             await asyncio.wait(pending.values())
-        jobs = [
-            loop.run_in_executor(
-                pool,
-                write_file,
-                self.path_of(key),
-                f"{self._temp_dir}/{temp_name(key)}",
-                view,
-                self.direct_io,
-                self.fsync,
-            )
+        write = functools.partial(
+            write_file,
+            direct=self.direct_io,
+            sync=self.fsync,
+            mode=self.file_mode,
+            ledger=self._ledger,
+        )
+        calls = [
+            (write, (self.path_of(key), f"{self._temp_dir}/{temp_name(key)}", view))
             for key, view in writes
         ]
-        outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        outcomes = await run_blocking(pool, calls)
         stored = 0
+        shared_total = -1
         bug: BaseException | None = None
         for (key, view), outcome in zip(writes, outcomes, strict=True):
-            if outcome is None:
+            if isinstance(outcome, int):
                 self._index.commit(key, len(view))
+                self._unservable.discard(key)
                 for watch in self._landed_watch.values():
                     watch.add(key)
                 stored += 1
                 self.stats.bytes_written += len(view)
+                shared_total = max(shared_total, outcome)
                 continue
             self._index.abort(key, len(view))
             if isinstance(outcome, OSError):
@@ -324,9 +387,42 @@ class DiskTier(Tier):
             else:
                 bug = bug or outcome
         self.stats.puts += stored
+        if shared_total > self.capacity_bytes:
+            await self._shrink(pool, shared_total - self.capacity_bytes)
         if bug is not None:
             raise bug
         return stored
+
+    async def _shrink(self, pool: ThreadPoolExecutor, excess: int) -> None:
+        """The directory holds ``excess`` bytes beyond capacity (other processes wrote
+        too): evict our least recently used files; if they are not enough, rescan the
+        directory to adopt the others' (rate-limited), for the next write to evict."""
+        victims = self._index.evict_excess(excess)
+        self.stats.evictions += len(victims)
+        if victims:
+            await self._unlink(pool, [key for key, _ in victims])
+        covered = sum(size for _, size in victims)
+        now = time.monotonic()
+        if (
+            covered < excess
+            and self._rescan is None
+            and now - self._last_rescan > RESCAN_INTERVAL_S
+        ):
+            self._last_rescan = now
+            self._rescan = asyncio.ensure_future(self._adopt_directory(pool))
+
+    async def _adopt_directory(self, pool: ThreadPoolExecutor) -> None:
+        try:
+            scan = await asyncio.get_running_loop().run_in_executor(pool, scan_chunk_dir, self.root)
+            adopted = self._index.adopt_oldest(
+                (key, size) for key, size in scan.entries if key not in self._unlinks
+            )
+            self.adopted_files += adopted
+            logger.info("%s: over capacity; adopted %d other processes' files", self.name, adopted)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: the pool shut down meanwhile
+            self._count_error("rescan", exc if isinstance(exc, OSError) else OSError(str(exc)))
+        finally:
+            self._rescan = None
 
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         # A write of the same key already in flight may land before or after the
@@ -345,12 +441,12 @@ class DiskTier(Tier):
     async def _unlink(self, pool: ThreadPoolExecutor, keys: list[ChunkKey]) -> None:
         """Unlink the files of keys already removed from the index, in one worker hop."""
         future = asyncio.get_running_loop().run_in_executor(
-            pool, unlink_all, [self.path_of(key) for key in keys]
+            pool, unlink_all, [self.path_of(key) for key in keys], self._ledger
         )
         for key in keys:
             self._unlinks[key] = future
         try:
-            failures = await asyncio.shield(future)
+            failures = await finish(future)
         finally:
             for key in keys:
                 if self._unlinks.get(key) is future:
@@ -359,14 +455,18 @@ class DiskTier(Tier):
             self._count_error("unlink", exc)
 
     async def close(self) -> None:
-        """Wait for writes in flight, then stop the thread pool. Idempotent."""
+        """Wait for writes in flight, then stop the thread pool, within
+        ``CLOSE_TIMEOUT_S`` whatever the filesystem does. Idempotent."""
         pool, self._pool = self._pool, None
         self._closed = True
         if pool is None:
             return
+        if self._rescan is not None:
+            self._rescan.cancel()
         if self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)
-        await asyncio.to_thread(pool.shutdown, wait=True)
+            await asyncio.wait(set(self._writes), timeout=CLOSE_TIMEOUT_S)
+        await shutdown_pool(pool, f"{self.name} tier", CLOSE_TIMEOUT_S)
+        self._ledger.close()
 
     def _require_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -393,4 +493,5 @@ async def open_tier(config: DiskTierConfig) -> DiskTier:
         fsync=config.fsync,
         o_direct=config.o_direct,
         io_threads=config.io_threads,
+        file_mode=int(config.file_mode, 8),
     )

@@ -1,10 +1,11 @@
 """The disk tier's in-memory index: which chunk files exist, their sizes, LRU order.
 
-The index is rebuilt at open from directory listings alone (:func:`scan_chunk_dir`):
-a chunk file's name is its key and ``stat`` gives its size and mtime, so start-up
-never opens a file. A file that turns out to be corrupt is found, counted and deleted
-when it is first read. The mtime orders the index (oldest first, evicted first); the
-tier bumps it on every hit so that recency survives a restart.
+The index is rebuilt at open from directory listings alone
+(:func:`lmtier_backends.disk_dir.scan_chunk_dir`): a chunk file's name is its key and
+``stat`` gives its size and mtime, so start-up never opens a file. A file that turns
+out to be corrupt is found, counted and deleted when it is first read. The mtime
+orders the index (oldest first, evicted first); the tier bumps it on every hit so
+that recency survives a restart.
 
 :class:`DiskIndex` also does the capacity bookkeeping. The event loop's thread does
 all of it but one thing: :meth:`DiskIndex.adopt`, which indexes a file another process
@@ -13,135 +14,52 @@ change to the index, and :meth:`DiskIndex.reserve`'s walk over it, holds one loc
 (uncontended: ~0.1 us); membership tests (:meth:`DiskIndex.leading`) take none, being
 atomic under the GIL.
 
-Several processes may share one directory, so the start-up scan tolerates files that
-vanish under it, and deletes only the temp files no live process may still be writing.
+:class:`RecentKeys` remembers keys found unservable for a while, so a file that can
+be neither read nor deleted is not adopted again at every lookup.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import os
-import re
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from lmtier.keys import ChunkKey
 from lmtier.tier import Buffer
 
-__all__ = [
-    "CHUNK_SUFFIX",
-    "DiskIndex",
-    "ScanResult",
-    "admit",
-    "scan_chunk_dir",
-    "temp_name",
-]
-
-logger = logging.getLogger(__name__)
-
-CHUNK_SUFFIX = ".lmtc"
-_CHUNK_NAME = re.compile(r"[0-9a-f]{64}\.lmtc")
-_SHARD_NAMES = tuple(f"{i:02x}" for i in range(256))
-TEMP_MAX_AGE_S = 3600.0
-"""A temp file older than this is debris even if the process that named it still runs."""
-_temp_ids = itertools.count()  # per process, shared by every tier: names never collide
+__all__ = ["DiskIndex", "RecentKeys", "admit"]
 
 
-def temp_name(key: ChunkKey) -> str:
-    """A fresh temp file name for a write of ``key``: ``<key>.<pid>.<n>.tmp``.
+class RecentKeys:
+    """Keys seen in the last ``ttl_s`` seconds, at most ``limit`` of them (oldest
+    forgotten first). Loop thread and lookup threads: a lost race only re-adopts once."""
 
-    The pid keeps processes sharing a directory apart (O_EXCL would refuse a clash),
-    and tells another process's start-up scan whether the write may still be running.
-    """
-    return f"{key.hex()}.{os.getpid()}.{next(_temp_ids)}.tmp"
+    __slots__ = ("_limit", "_seen", "ttl_s")
 
+    def __init__(self, ttl_s: float, limit: int = 4096) -> None:
+        self.ttl_s = ttl_s
+        self._limit = limit
+        self._seen: OrderedDict[ChunkKey, float] = OrderedDict()
 
-def _maybe_in_flight(entry: os.DirEntry[str], now: float) -> bool:
-    """Whether temp file ``entry`` may be a write still in flight: named by
-    :func:`temp_name` in a process that still runs, and under ``TEMP_MAX_AGE_S`` old."""
-    parts = entry.name.split(".")
-    if len(parts) != 4 or not parts[1].isdigit() or int(parts[1]) <= 0:
+    def add(self, key: ChunkKey) -> None:
+        self._seen[key] = time.monotonic()
+        self._seen.move_to_end(key)
+        while len(self._seen) > self._limit:
+            self._seen.popitem(last=False)
+
+    def discard(self, key: ChunkKey) -> None:
+        self._seen.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        since = self._seen.get(key)  # type: ignore[call-overload]
+        if since is None:
+            return False
+        if time.monotonic() - since < self.ttl_s:
+            return True
+        self._seen.pop(key, None)  # type: ignore[call-overload]
         return False
-    try:
-        os.kill(int(parts[1]), 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: alive
-    except (OverflowError, OSError):
-        return False
-    try:
-        return now - entry.stat(follow_symlinks=False).st_mtime < TEMP_MAX_AGE_S
-    except FileNotFoundError:
-        return True  # renamed into place (or removed) meanwhile: not ours to touch
-
-
-@dataclass(slots=True)
-class ScanResult:
-    """What a start-up scan found: chunk files, oldest first, and what it left alone."""
-
-    entries: list[tuple[ChunkKey, int]] = field(default_factory=list)
-    """(key, file size), ordered by mtime, oldest first."""
-    foreign: list[str] = field(default_factory=list)
-    """Paths of entries that are not ours: left in place, never indexed."""
-    removed_temps: int = 0
-
-
-def scan_chunk_dir(root: str) -> ScanResult:
-    """Create ``root``'s shard and tmp directories, delete temp files, list chunk files.
-
-    Blocking; run it in a worker thread. Temp files are debris of writes that never
-    reached ``os.replace`` (a crash): no reader can see them, so they go, except those
-    another live process may still be writing (:func:`temp_name`). Files that vanish
-    during the scan (another process evicting) are skipped.
-    """
-    result = ScanResult()
-    tmp_dir = os.path.join(root, "tmp")
-    os.makedirs(tmp_dir, exist_ok=True)
-    for shard in _SHARD_NAMES:
-        os.makedirs(os.path.join(root, shard), exist_ok=True)
-    now = time.time()
-    with os.scandir(tmp_dir) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                result.foreign.append(entry.path)
-            elif not _maybe_in_flight(entry, now):
-                try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
-                    continue  # renamed into place, or another process's scan took it
-                result.removed_temps += 1
-    shards = set(_SHARD_NAMES)
-    with os.scandir(root) as entries:
-        for entry in entries:
-            if entry.name not in shards and entry.name != "tmp":
-                result.foreign.append(entry.path)
-    found: list[tuple[int, ChunkKey, int]] = []
-    sizes: dict[int, int] = {}  # share one int object per distinct size: chunks mostly agree
-    for shard in _SHARD_NAMES:
-        with os.scandir(os.path.join(root, shard)) as entries:
-            for entry in entries:
-                name = entry.name
-                if (
-                    name[32:34] == shard
-                    and _CHUNK_NAME.fullmatch(name)
-                    and entry.is_file(follow_symlinks=False)
-                ):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue  # evicted by another process sharing the directory
-                    size = sizes.setdefault(st.st_size, st.st_size)
-                    found.append((st.st_mtime_ns, ChunkKey(bytes.fromhex(name[:64])), size))
-                else:
-                    result.foreign.append(entry.path)
-    found.sort(key=lambda item: item[0])
-    result.entries = [(key, size) for _, key, size in found]
-    return result
 
 
 def admit(
@@ -245,6 +163,36 @@ class DiskIndex:
             self._sizes[key] = size
             self._indexed += size
             return True
+
+    def adopt_oldest(self, entries: Iterable[tuple[ChunkKey, int]]) -> int:
+        """Index files found by a rescan (oldest first) as the least recently used, ahead
+        of every indexed file; keys indexed already keep their place. Returns how many
+        were new. Never evicts."""
+        new = 0
+        with self._lock:
+            for key, size in reversed(list(entries)):
+                if key in self._sizes:
+                    continue
+                self._sizes[key] = size
+                self._sizes.move_to_end(key, last=False)
+                self._indexed += size
+                new += 1
+        return new
+
+    def evict_excess(self, excess: int) -> list[tuple[ChunkKey, int]]:
+        """Remove least recently used files (never ones being written) until ``excess``
+        bytes are covered, or no file is left; returns them for the caller to unlink."""
+        victims: list[tuple[ChunkKey, int]] = []
+        with self._lock:
+            for key, size in self._sizes.items():
+                if excess <= 0:
+                    break
+                if key not in self._writing:
+                    victims.append((key, size))
+                    excess -= size
+            for key, _ in victims:
+                self._remove(key)
+        return victims
 
     def touch(self, key: ChunkKey) -> None:
         """Mark a hit: move ``key`` to the most recently used end."""

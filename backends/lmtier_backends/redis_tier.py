@@ -18,7 +18,9 @@ are packed by :mod:`lmtier_backends.redis_wire`, not by redis-py's hiredis packe
 Reads: one ``GET`` per chunk (``GETEX key PX ttl`` when ``refresh_ttl_on_hit``, so a
 hit renews the TTL in the same command), concurrent up to ``max_connections``; single
 large GETs beat pipelined ones here. Each value is received straight into its buffer
-(``recv_into`` the slab, no copy in Python); a value larger than its buffer is a miss.
+(``recv_into`` the slab, no copy in Python). A value larger than its buffer, or a key
+of another type under a chunk's name (WRONGTYPE), can never be served: it is
+unservable, deleted and counted (``Tier.get_into``), so EXISTS stops finding it.
 
 Lookups: ``contains`` sends one pipelined batch of ``EXISTS key`` per key (per-key
 answers, to count the leading run) as a single write: one round trip standalone, one
@@ -73,7 +75,7 @@ from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, Conf
 from lmtier.keys import NAMESPACE_BYTES, ChunkKey, split_key
 from lmtier.secrets import SecretURL
 from lmtier.stats import TierStats
-from lmtier.tier import Buffer, Tier, TierProperties
+from lmtier.tier import UNSERVABLE, Buffer, Tier, TierProperties
 from lmtier_backends.redis_client import Node, Route, open_route
 from lmtier_backends.redis_wire import Reply, exchange, pack_command, pack_key_commands
 
@@ -358,23 +360,26 @@ class RedisTier(Tier):
             if reply <= len(sink):
                 return reply
             logger.debug("%s: %s holds %d bytes, more than its buffer", self.name, name, reply)
-            return None
+            return UNSERVABLE
         if reply is None:
             return None
         if self._redirected(route, reply):
             return await self._get_redirected(route, name, sink)
         if reply.startswith(_SERVER_ERRORS):
             raise ResponseError(f"GET answered {_shown(reply)}")
-        logger.debug("%s: GET %s answered %s: a miss", self.name, name, _shown(reply))
-        return None
+        logger.debug("%s: GET %s answered %s", self.name, name, _shown(reply))
+        # A key of another type under our name can never be read as a chunk.
+        return UNSERVABLE if reply.startswith(b"-WRONGTYPE") else None
 
     async def _get_redirected(self, route: Route, name: bytes, sink: memoryview) -> int | None:
         if self.refresh_ttl_on_hit and self.ttl_ms is not None:
             value = await route.client.execute_command("GETEX", name, "PX", self.ttl_ms)
         else:
             value = await route.client.execute_command("GET", name)
-        if value is None or len(value) > len(sink):
+        if value is None:
             return None
+        if len(value) > len(sink):
+            return UNSERVABLE
         sink[: len(value)] = value
         return len(value)
 

@@ -76,12 +76,13 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from lmtier.blocking import run_blocking
 from lmtier.config import S3TierConfig
 from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from lmtier.keys import ChunkKey, split_key
 from lmtier.secrets import Secret, redact_url
 from lmtier.stats import TierStats
-from lmtier.tier import Buffer, Tier, TierProperties
+from lmtier.tier import UNSERVABLE, Buffer, Tier, TierProperties
 from lmtier_backends.s3_io import (
     Failed,
     Scan,
@@ -100,8 +101,8 @@ logger = logging.getLogger(__name__)
 
 _DELETE_BATCH = 1000
 """Keys per DeleteObjects request: the S3 limit."""
-_EXPIRED = -1
-"""Outcome of a GET of an object older than ``ttl_s``."""
+_EXPIRED = -2
+"""Outcome of a GET of an object older than ``ttl_s`` (apart from UNSERVABLE, -1)."""
 _UNASKED = object()
 """Outcome slot of a key ``contains`` never sent a HEAD for."""
 
@@ -247,7 +248,7 @@ class S3Tier(Tier):
         size = int(response["ContentLength"])
         if size > len(view) or self._expired(response["LastModified"]):
             body.close()  # unread bytes: the connection is dropped, not reused
-            return None if size > len(view) else _EXPIRED  # too large: it cannot fit
+            return UNSERVABLE if size > len(view) else _EXPIRED
         try:
             read_body_into(body, view[:size])
         except BaseException:
@@ -303,7 +304,7 @@ class S3Tier(Tier):
         outcomes = await self._map(self._get_into, list(zip(keys, views, strict=True)))
         self._settle("get", outcomes)
         self._expire([k for k, o in zip(keys, outcomes, strict=True) if o == _EXPIRED])
-        return [o if isinstance(o, int) and o >= 0 else None for o in outcomes]
+        return [o if isinstance(o, int) and o != _EXPIRED else None for o in outcomes]
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
         views = [(key, memoryview(data).cast("B")) for key, data in items]
@@ -330,12 +331,14 @@ class S3Tier(Tier):
         self._settle("delete", await self._map(self._delete_batch, batches))
 
     async def _map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Run ``fn`` on each argument tuple in the pool; outcomes in order."""
+        """Run ``fn`` on each argument tuple in the pool; outcomes in order. If cancelled,
+        returns only once no request of the batch touches its buffers (the tier contract)."""
         pool = self._require_pool()
-        loop = asyncio.get_running_loop()
-        return await asyncio.gather(
-            *(loop.run_in_executor(pool, self._attempt, fn, *a) for a in calls)
-        )
+        outcomes = await run_blocking(pool, [(self._attempt, (fn, *a)) for a in calls])
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome  # _attempt turns S3 and network failures into Failed: a bug
+        return outcomes
 
     def _expire(self, keys: list[ChunkKey]) -> None:
         """Delete expired objects in the background: the caller does not wait for it.

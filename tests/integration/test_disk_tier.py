@@ -55,7 +55,9 @@ def temp_files(path: Path) -> list[Path]:
 
 
 def bytes_on_disk(path: Path) -> int:
-    return sum(p.stat().st_size for p in (path / "v1").rglob("*") if p.is_file())
+    """Bytes of chunk and temp files (not the 8-byte shared ledger)."""
+    files = (p for p in (path / "v1").rglob("*") if p.is_file() and p.name != "ledger")
+    return sum(p.stat().st_size for p in files)
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -94,18 +96,19 @@ def test_round_trip_into_bytearray_and_mmap(tmp_path: Path) -> None:
             assert sizes == [CHUNK_LEN] * 6
             assert [bytes(b[:CHUNK_LEN]) for b in buffers] == [data for _, data in chunks]
         assert await tier.get_into([random_key()], [aligned_buffer(CHUNK_LEN)]) == [None]
-        # A buffer too small for the file is a miss, and the chunk stays.
-        assert await tier.get_into(keys[:1], [memoryview(bytearray(CHUNK_LEN - 1))]) == [None]
-        assert await tier.contains(keys[:1]) == 1
+        # A file larger than its buffer can never be served (slabs are sized for the
+        # cache's chunks): it is deleted and counted, so lookups stop finding it.
+        assert await tier.get_into(keys[5:], [memoryview(bytearray(CHUNK_LEN - 1))]) == [None]
+        assert await tier.contains(keys[5:]) == 0
         stats = tier.stats
         assert (stats.puts, stats.bytes_written, stats.hits) == (6, 6 * CHUNK_LEN, 12)
-        assert (stats.misses, stats.errors, stats.corrupt) == (2, 0, 0)
+        assert (stats.misses, stats.errors, stats.corrupt, stats.unservable) == (2, 0, 0, 1)
         assert stats.lookups == 11
         # Latencies are the StorageManager's to record (it wraps every tier call).
         assert (stats.write_latency.num, stats.read_latency.num) == (0, 0)
         assert await tier.delete([keys[0], keys[0], random_key()]) == 1
         assert await tier.contains(keys) == 0
-        assert len(chunk_files(tmp_path)) == 5
+        assert len(chunk_files(tmp_path)) == 4
         await tier.close()
         await tier.close()  # idempotent
         assert await tier.contains(keys[1:]) == 0
@@ -624,7 +627,7 @@ def test_lookup_of_absent_keys_costs_one_stat_per_call(tmp_path: Path) -> None:
     run(scenario)
 
 
-def test_adopted_files_count_against_capacity(tmp_path: Path) -> None:
+def test_capacity_holds_for_the_directory_shared_by_two_tiers(tmp_path: Path) -> None:
     ours_chunks = [make_chunk(seed=i) for i in range(4)]
     their_chunks = [make_chunk(seed=10 + i) for i in range(3)]
     their_keys = [key for key, _ in their_chunks]
@@ -633,20 +636,20 @@ def test_adopted_files_count_against_capacity(tmp_path: Path) -> None:
         ours = await DiskTier.open(tmp_path, 4 * CHUNK_LEN)
         theirs = await DiskTier.open(tmp_path, 4 * CHUNK_LEN)
         await ours.put(ours_chunks[:2])
+        # 5 chunks in a directory of 4: the writer evicts its own least recent one.
         await theirs.put(their_chunks)
-        # Adopting never evicts (it may run off the loop): over capacity until a put.
-        assert await asyncio.to_thread(ours.contains_now, their_keys) == 3
-        assert ours.used_bytes == 5 * CHUNK_LEN == bytes_on_disk(tmp_path)
-        await ours.put(ours_chunks[2:3])  # evicts our two older chunks: LRU
-        assert ours.used_bytes == 4 * CHUNK_LEN == bytes_on_disk(tmp_path)
-        assert ours.stats.evictions == 2
-        assert await ours.contains([key for key, _ in ours_chunks[:2]]) == 0
-        await ours.put(ours_chunks[3:])  # now the least recent is their first chunk
-        assert ours.used_bytes == 4 * CHUNK_LEN == bytes_on_disk(tmp_path)
-        assert await ours.contains(their_keys) == 0
-        assert await ours.contains(their_keys[1:]) == 2
-        assert await read_back(theirs, their_keys[:1]) == [None]  # a miss over there
-        assert (len(theirs), theirs.used_bytes) == (2, 2 * CHUNK_LEN)
+        assert bytes_on_disk(tmp_path) == 4 * CHUNK_LEN
+        assert await theirs.contains(their_keys) == 0
+        assert theirs.stats.evictions == 1
+        # Adopting never evicts (it may run off the loop).
+        assert await asyncio.to_thread(ours.contains_now, their_keys[1:]) == 2
+        assert ours.used_bytes == 4 * CHUNK_LEN
+        await ours.put(ours_chunks[2:3])  # evicts our least recent chunk: LRU
+        assert bytes_on_disk(tmp_path) == 4 * CHUNK_LEN
+        assert await ours.contains([key for key, _ in ours_chunks[:1]]) == 0
+        await ours.put(ours_chunks[3:])  # then the next least recent
+        assert bytes_on_disk(tmp_path) == 4 * CHUNK_LEN
+        assert await ours.contains([key for key, _ in ours_chunks[1:]]) == 0
         await ours.close()
         await theirs.close()
 

@@ -302,9 +302,16 @@ def test_values_changed_behind_our_back_are_deleted_and_counted(
             assert sizes == [None, None, None, None, len(chunks[4][1])]
             assert tier.stats.corrupt == 4
             assert [client.exists(name) for name in names] == [0, 0, 0, 0, 1]
+            # What can never be served must not stay a hit for EXISTS: a key of another
+            # type under a chunk's name, a value larger than any slab.
             client.delete(names[4])
-            client.hset(names[4], "field", "value")  # not a string at all: a plain miss
-            assert await tier.get_into([keys[4]], buffers(1)) == [None]
+            client.hset(names[4], "field", "value")
+            client.set(names[3], os.urandom(70 * 1024))
+            assert await tier.contains(keys[3:]) == 2  # phantoms, until a read finds out
+            assert await tier.get_into(keys[3:], buffers(2)) == [None, None]
+            assert tier.stats.unservable == 2
+            assert await tier.contains(keys[3:4]) == await tier.contains(keys[4:]) == 0
+            assert [client.exists(name) for name in names[3:]] == [0, 0]
         finally:
             await tier.close()
 

@@ -268,6 +268,12 @@ def test_objects_corrupted_behind_our_back(endpoint: str, prefix: str, raw: Any)
             assert tier.stats.corrupt == 4
             assert [exists(raw, tier.object_key(k)) for k in keys] == [False] * 4 + [True]
             assert await tier.contains(keys) == 0
+            # An object larger than any slab can never be served: no phantom hit.
+            raw.put_object(Bucket=BUCKET, Key=tier.object_key(keys[4]), Body=bytes(70 * 1024))
+            assert await tier.get_into(keys[4:], buffers(1)) == [None]
+            assert tier.stats.unservable == 1
+            assert not exists(raw, tier.object_key(keys[4]))
+            assert await tier.contains(keys[4:]) == 0
         finally:
             await tier.close()
 

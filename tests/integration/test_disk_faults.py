@@ -1,0 +1,187 @@
+"""The disk tier against hostile directories: special files in place of chunks, files
+it cannot serve, permissions whatever the umask, a bad ``disk.path``, and one
+directory's capacity shared by several real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from lmtier.errors import ConfigError
+from lmtier.testing import make_chunk
+from lmtier_backends.disk import DiskTier
+
+pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
+GIB = 1 << 30
+CHUNK_LEN = len(make_chunk()[1])
+
+
+def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    async def main() -> T:
+        return await fn(*args)
+
+    return asyncio.run(main())
+
+
+def buffers(count: int) -> list[memoryview]:
+    return [memoryview(bytearray(64 * 1024)) for _ in range(count)]
+
+
+def chunk_bytes_on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "v1").glob("??/*.lmtc"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink-to-fifo", "symlink", "directory", "socket"])
+def test_special_files_in_place_of_a_chunk_never_hang_or_hit(tmp_path: Path, kind: str) -> None:
+    chunks = [make_chunk(seed=i) for i in range(4)]
+    keys = [key for key, _ in chunks]
+
+    async def scenario() -> tuple[list[int | None], int, int]:
+        tier = await DiskTier.open(tmp_path, GIB, io_threads=2)
+        await tier.put(chunks)
+        path = Path(tier.path_of(keys[2]))
+        path.unlink()
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "symlink-to-fifo":
+            os.mkfifo(tmp_path / "fifo")
+            path.symlink_to(tmp_path / "fifo")
+        elif kind == "symlink":
+            path.symlink_to(tier.path_of(keys[0]))
+        elif kind == "directory":
+            path.mkdir()
+        else:  # bound at a short path (AF_UNIX limits its length), then moved in place
+            short = Path(tempfile.mkdtemp(dir="/tmp")) / "s"
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(str(short))
+            short.rename(path)
+        # Loads more often than there are I/O threads: none may stay blocked.
+        for _ in range(4):
+            sizes = await tier.get_into(keys, buffers(4))
+        found = await tier.contains(keys)
+        unservable = tier.stats.unservable
+        await tier.close()
+        return sizes, found, unservable
+
+    result: list[tuple[list[int | None], int, int]] = []
+    thread = threading.Thread(target=lambda: result.append(run(scenario)), daemon=True)
+    thread.start()
+    thread.join(timeout=60)  # milliseconds when right; a blocked open would hang for ever
+    assert not thread.is_alive(), f"the disk tier hung on a {kind}"
+    sizes, found, unservable = result[0]
+    assert sizes[:2] == [CHUNK_LEN, CHUNK_LEN] and sizes[2] is None and sizes[3] == CHUNK_LEN
+    assert found == 2  # no phantom hit: the unservable entry left the index
+    assert unservable >= 1
+
+
+def test_a_file_larger_than_a_slab_leaves_the_index_and_the_disk(tmp_path: Path) -> None:
+    key, data = make_chunk()
+
+    async def scenario() -> None:
+        tier = await DiskTier.open(tmp_path, GIB)
+        await tier.put([(key, data)])
+        Path(tier.path_of(key)).write_bytes(data + bytes(70 * 1024))  # grown behind our back
+        assert await tier.get_into([key], buffers(1)) == [None]
+        assert await tier.contains([key]) == 0
+        assert not Path(tier.path_of(key)).exists()
+        assert (tier.stats.unservable, tier.stats.corrupt) == (1, 0)
+        await tier.close()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, "0600"), (0o000, "0600"), (0o077, "0640")])
+def test_chunk_files_get_the_configured_mode_whatever_the_umask(
+    tmp_path: Path, umask: int, mode: str
+) -> None:
+    file_mode = int(mode, 8)
+    dir_mode = file_mode | ((file_mode & 0o444) >> 2)
+    key, data = make_chunk()
+
+    async def scenario() -> DiskTier:
+        tier = await DiskTier.open(tmp_path / "chunks", GIB, file_mode=file_mode)
+        await tier.put([(key, data)])
+        await tier.close()
+        return tier
+
+    old = os.umask(umask)
+    try:
+        tier = run(scenario)
+    finally:
+        os.umask(old)
+    root = tmp_path / "chunks" / "v1"
+    assert stat.S_IMODE(Path(tier.path_of(key)).stat().st_mode) == file_mode
+    for directory in (root, root / "tmp", Path(tier.path_of(key)).parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == dir_mode, directory
+    assert stat.S_IMODE((root / "ledger").stat().st_mode) == file_mode
+
+
+def test_directories_of_an_older_install_are_made_private(tmp_path: Path) -> None:
+    shard = tmp_path / "v1" / "ab"
+    shard.mkdir(parents=True)
+    os.chmod(tmp_path / "v1", 0o755)
+    os.chmod(shard, 0o755)
+
+    async def scenario() -> None:
+        await (await DiskTier.open(tmp_path, GIB)).close()
+
+    run(scenario)
+    assert stat.S_IMODE((tmp_path / "v1").stat().st_mode) == 0o700
+    assert stat.S_IMODE(shard.stat().st_mode) == 0o700
+
+
+def test_a_path_that_cannot_hold_chunks_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+
+    async def open_at(path: Path) -> None:
+        await (await DiskTier.open(path, GIB)).close()
+
+    with pytest.raises(ConfigError, match=r"disk\.path .* is not a directory"):
+        run(open_at, blocker)
+    with pytest.raises(ConfigError, match=r"disk\.path"):
+        run(open_at, blocker / "below")
+    assert blocker.read_text() == "not a directory"  # nothing lost
+
+
+def test_three_processes_keep_a_shared_directory_within_capacity(tmp_path: Path) -> None:
+    capacity = 40 * CHUNK_LEN
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from lmtier.testing import make_chunk
+        from lmtier_backends.disk import DiskTier
+
+        async def main(seed):
+            tier = await DiskTier.open(sys.argv[1], {capacity}, fsync=False)
+            for start in range(0, 60, 4):  # 60 chunks each: 4.5x the capacity together
+                await tier.put([make_chunk(seed=seed * 1000 + start + i) for i in range(4)])
+            await tier.close()
+
+        asyncio.run(main(int(sys.argv[2])))
+        """
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(seed)])
+        for seed in range(3)
+    ]
+    for process in processes:
+        assert process.wait(timeout=120) == 0
+    # Each writer evicts after its own batch lands; with all done, the directory is
+    # within capacity plus at most one batch per process (written at the same time).
+    assert chunk_bytes_on_disk(tmp_path) <= capacity + 3 * 4 * CHUNK_LEN
+    assert chunk_bytes_on_disk(tmp_path) >= capacity // 2
