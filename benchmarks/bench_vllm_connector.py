@@ -76,7 +76,7 @@ def _run(device: str, repeats: int) -> dict[str, Any]:
             "cpu": {"capacity_bytes": "320MiB"},
         }
     )
-    cache = LMTier(config, spec).start()
+    cache = LMTier(config, spec, model_id="bench-vllm-connector").start()
     worker = WorkerHalf(cache, BLOCK)
     worker.register_kv_caches(kv)
     nbytes = TOKENS * spec.bytes_per_token

@@ -239,3 +239,15 @@ def test_views_of_a_dropped_load_result_keep_its_slabs() -> None:
         del views
         gc.collect()
         assert cache._pool is not None and cache._pool.num_in_use == len(cache.manager.memory)
+
+
+def test_host_memory_of_a_large_model_with_a_small_cpu_tier_stays_small() -> None:
+    # Half an 8B model's KV geometry: 16 MiB chunks. With a 64 MiB CPU tier the pool
+    # used to add 128 staging chunks (+2.1 GB); staging is now bytes, 256 MiB by default.
+    spec = KVSpec(num_layers=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    cfg = LMTierConfig(
+        cpu=CPUTierConfig(capacity_bytes=64 << 20), disk=DiskTierConfig(enabled=False)
+    )
+    with LMTier.open(cfg, kv=spec, model_id="llama-ish") as cache:
+        assert cache.host_memory_bytes <= (64 << 20) + (256 << 20)
+        assert cache.host_memory_bytes >= 4 * spec.encoded_chunk_bytes(256)
