@@ -41,6 +41,7 @@ All methods run on the runtime's event loop (see :mod:`lmtier.runtime`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -383,10 +384,12 @@ class StorageManager:
             try:
                 # A failed, skipped or timed-out write is dropped and counted; the chunk
                 # stays in the tiers above. The write leases go once the I/O is over.
+                # Bound now, not looked up when called: an abandoned write settles
+                # after this loop has moved on to the next batch.
                 stored, timed_out = await self.guards[tier.name].call(
                     "put",
-                    lambda: tier.put(items),  # noqa: B023 - awaited in this iteration
-                    lambda: self._release_writes(batch),  # noqa: B023
+                    functools.partial(tier.put, items),
+                    functools.partial(self._release_writes, batch),
                 )
             finally:
                 for _ in batch:

@@ -51,22 +51,25 @@ def test_late_s3_reads_never_reach_another_tenants_slabs(
     prompt_a, prompt_b = list(range(48 * chunk)), list(range(48 * chunk))
     kv_a, kv_b = kv_for(spec, 48 * chunk, 1), kv_for(spec, 48 * chunk, 2)
 
-    def config(endpoint: str, cpu_chunks: int) -> LMTierConfig:
+    def config(endpoint: str, cpu_chunks: int, timeout_s: float) -> LMTierConfig:
         slab = spec.encoded_chunk_bytes(chunk)
         return LMTierConfig(
             chunk_size=chunk,
             cpu=CPUTierConfig(capacity_bytes=cpu_chunks * slab, staging_bytes=8 * slab),
             disk=DiskTierConfig(enabled=False),
-            s3=S3TierConfig(bucket="slow", endpoint_url=endpoint, timeout_s=0.3),
+            s3=S3TierConfig(bucket="slow", endpoint_url=endpoint, timeout_s=timeout_s),
         )
 
-    with LMTier.open(config(s3_server.endpoint, 64), kv=spec, model_id="m") as fast:
+    # Stored over the direct link with a generous timeout: a loaded machine is slow too.
+    with LMTier.open(config(s3_server.endpoint, 64, 30), kv=spec, model_id="m") as fast:
         assert fast.store(prompt_a, kv_a, cache_salt="tenant-a") == 48
         fast.flush()
         assert fast.stats()["s3"]["puts"] == 48
     with (
         SlowLink(urlsplit(s3_server.endpoint).port or 0, bytes_per_s=2_000_000) as link,
-        LMTier.open(config(f"http://127.0.0.1:{link.port}", 56), kv=spec, model_id="m") as cache,
+        LMTier.open(
+            config(f"http://127.0.0.1:{link.port}", 56, 0.3), kv=spec, model_id="m"
+        ) as cache,
     ):
         with cache.load(prompt_a, cache_salt="tenant-a") as hit:
             assert hit.num_tokens < 48 * chunk  # the slow link could not serve it in time
@@ -86,15 +89,15 @@ def test_long_prompt_from_a_slow_healthy_redis_is_served(
     spec, chunk = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8), 32
     prompt, kv = list(range(120 * chunk)), kv_for(spec, 120 * chunk, 3)
 
-    def config(url: str) -> LMTierConfig:
+    def config(url: str, timeout_s: float = 0.5) -> LMTierConfig:
         return LMTierConfig(
             chunk_size=chunk,
             cpu=CPUTierConfig(capacity_bytes=1 << 30, staging_bytes=1 << 20),
             disk=DiskTierConfig(enabled=False),
-            redis=RedisTierConfig(url=url, timeout_s=0.5),
+            redis=RedisTierConfig(url=url, timeout_s=timeout_s),
         )
 
-    with LMTier.open(config(redis_server.url), kv=spec, model_id="slow-redis") as fast:
+    with LMTier.open(config(redis_server.url, 30), kv=spec, model_id="slow-redis") as fast:
         assert fast.store(prompt, kv) == 120
         fast.flush()
     with (

@@ -101,26 +101,30 @@ def test_a_timed_out_read_never_writes_into_a_reused_slab() -> None:
 
 def test_a_timed_out_write_keeps_its_slab_until_the_write_is_done() -> None:
     async def body(manager: StorageManager, tier: GatedTier) -> None:
-        key, data = make_chunk(num_tokens=4, hidden=16, seed=2)
-        handle = manager.memory.acquire_slab()
-        assert handle is not None
-        handle.view[: len(data)] = data
-        manager.put(key, handle, len(data))
-        await manager.flush()  # the write timed out; its thread waits at the gate
-        assert tier.stats.errors == 1
-        await manager.memory.delete([key])
-        # Reuse every free slab with other bytes: the pending write's slab is not free.
+        written = [make_chunk(num_tokens=4, hidden=16, seed=seed) for seed in (2, 3)]
+        for key, data in written:  # two batches, each timing out in turn
+            handle = manager.memory.acquire_slab()
+            assert handle is not None
+            handle.view[: len(data)] = data
+            manager.put(key, handle, len(data))
+            await manager.flush()  # the write timed out; its thread waits at the gate
+        assert tier.stats.errors == 2
+        await manager.memory.delete([key for key, _ in written])
+        # Reuse every free slab with other bytes: the pending writes' slabs are not free.
         others = []
         while (other := manager.memory.acquire_slab()) is not None:
             other.view[:] = bytes([MARK]) * len(other.view)
             others.append(other)
-        assert len(others) == manager.memory.pool.num_slabs - 1
+        assert len(others) == manager.memory.pool.num_slabs - 2
         tier.gate.set()
         while manager.guards["slow"].abandoned:
             await asyncio.sleep(0.01)
-        assert tier.data[key] == data  # the late write stored the chunk it was given
+        for key, data in written:
+            assert tier.data[key] == data  # each late write stored the chunk it was given
         for other in others:
             other.release()
+        # Each write gave back its own slab once it settled (and only its own).
+        assert manager.memory.pool.num_free == manager.memory.pool.num_slabs
 
     run(body)
 
