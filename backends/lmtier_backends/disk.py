@@ -388,16 +388,17 @@ class DiskTier(Tier):
                 bug = bug or outcome
         self.stats.puts += stored
         if shared_total > self.capacity_bytes:
-            await self._shrink(pool, shared_total - self.capacity_bytes)
+            await self._shrink(pool, shared_total - self.capacity_bytes, {k for k, _ in writes})
         if bug is not None:
             raise bug
         return stored
 
-    async def _shrink(self, pool: ThreadPoolExecutor, excess: int) -> None:
+    async def _shrink(self, pool: ThreadPoolExecutor, excess: int, written: set[ChunkKey]) -> None:
         """The directory holds ``excess`` bytes beyond capacity (other processes wrote
-        too): evict our least recently used files; if they are not enough, rescan the
-        directory to adopt the others' (rate-limited), for the next write to evict."""
-        victims = self._index.evict_excess(excess)
+        too): evict our least recently used files, never the ones just ``written``; if
+        they are not enough, rescan the directory to adopt the others' (rate-limited),
+        for the next write to evict."""
+        victims = self._index.evict_excess(excess, keep=written)
         self.stats.evictions += len(victims)
         if victims:
             await self._unlink(pool, [key for key, _ in victims])

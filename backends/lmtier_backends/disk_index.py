@@ -24,7 +24,7 @@ import itertools
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from lmtier.keys import ChunkKey
 from lmtier.tier import Buffer
@@ -179,15 +179,18 @@ class DiskIndex:
                 new += 1
         return new
 
-    def evict_excess(self, excess: int) -> list[tuple[ChunkKey, int]]:
-        """Remove least recently used files (never ones being written) until ``excess``
-        bytes are covered, or no file is left; returns them for the caller to unlink."""
+    def evict_excess(
+        self, excess: int, keep: Collection[ChunkKey] = ()
+    ) -> list[tuple[ChunkKey, int]]:
+        """Remove least recently used files (never ones being written, nor ``keep``)
+        until ``excess`` bytes are covered, or no file is left; returns them for the
+        caller to unlink."""
         victims: list[tuple[ChunkKey, int]] = []
         with self._lock:
             for key, size in self._sizes.items():
                 if excess <= 0:
                     break
-                if key not in self._writing:
+                if key not in self._writing and key not in keep:
                     victims.append((key, size))
                     excess -= size
             for key, _ in victims:

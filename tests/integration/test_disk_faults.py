@@ -185,3 +185,26 @@ def test_three_processes_keep_a_shared_directory_within_capacity(tmp_path: Path)
     # within capacity plus at most one batch per process (written at the same time).
     assert chunk_bytes_on_disk(tmp_path) <= capacity + 3 * 4 * CHUNK_LEN
     assert chunk_bytes_on_disk(tmp_path) >= capacity // 2
+
+
+def test_a_writer_over_capacity_adopts_and_evicts_files_it_did_not_write(tmp_path: Path) -> None:
+    theirs = [make_chunk(seed=i) for i in range(8)]
+    ours = [make_chunk(seed=100 + i) for i in range(4)]
+
+    async def scenario() -> None:
+        tier = await DiskTier.open(tmp_path, 8 * CHUNK_LEN, fsync=False)
+        other = await DiskTier.open(tmp_path, 8 * CHUNK_LEN, fsync=False)
+        await other.put(theirs)  # fills the directory with files ``tier`` never saw
+        await other.close()
+        await tier.put(ours[:1])  # over capacity: keeps what it wrote, looks for others'
+        assert await tier.contains([ours[0][0]]) == 1
+        for _ in range(6000):  # the rescan runs in the background (milliseconds)
+            if tier.adopted_files >= len(theirs):
+                break
+            await asyncio.sleep(0.01)
+        await tier.put(ours[1:])
+        assert chunk_bytes_on_disk(tmp_path) <= 8 * CHUNK_LEN
+        assert await tier.contains([key for key, _ in ours]) == 4
+        await tier.close()
+
+    run(scenario)

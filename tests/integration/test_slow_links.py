@@ -73,7 +73,6 @@ def test_late_s3_reads_never_reach_another_tenants_slabs(
     ):
         with cache.load(prompt_a, cache_salt="tenant-a") as hit:
             assert hit.num_tokens < 48 * chunk  # the slow link could not serve it in time
-        assert cache.stats()["s3"]["abandoned_in_flight"] > 0
         # Tenant B's store takes every free slab at once, while A's reads still land.
         assert cache.store(prompt_b, kv_b, cache_salt="tenant-b") == 48
         wait_until_no_call_in_flight(cache, "s3")
