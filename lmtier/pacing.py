@@ -6,11 +6,12 @@ regard to the tier's speed is all-or-nothing: 120 chunks over a healthy 1.6 MB/s
 link never arrive within half a second, so a long prompt would miss on every try
 while 16 chunks at a time fit easily.
 
-:class:`BatchPacer` sizes each call from the throughput the tier has shown, like a
-TCP congestion window: a batch is as many chunks as the measured rate moves in
-``TARGET_FRACTION`` of the timeout; until the rate is known it starts small
-(``INITIAL_CHUNKS``) and at most doubles from one call to the next; a call that times
-out halves it and lowers the rate estimate to what that call proves. The
+:class:`BatchPacer` sizes each call from the throughput the tier has shown: a batch
+is as many chunks as the measured rate moves in ``TARGET_FRACTION`` of the timeout.
+Until a call has finished it starts small (``INITIAL_CHUNKS``); a rate measured on a
+small batch underestimates a larger one (more requests in parallel), so growing
+straight to the rate's size is safe. A call that times out halves the batch and
+lowers the rate estimate to what that call proves. The
 StorageManager sends the batches of one load one after another and serves the
 leading run that arrived, so a slow but healthy tier serves a long prompt at its own
 speed, and one whose single chunk cannot arrive within the timeout is a miss (raise
@@ -64,7 +65,7 @@ class BatchPacer:
                 if self.rate is None
                 else (1 - _SMOOTHING) * self.rate + _SMOOTHING * measured
             )
-        self._limit = min(MAX_CHUNKS, max(self._limit, 2 * count))
+        self._limit = MAX_CHUNKS if num_bytes > 0 else min(MAX_CHUNKS, max(self._limit, 2 * count))
 
     def timed_out(self, num_bytes: int, count: int) -> None:
         """A call of ``count`` chunks (``num_bytes`` in all) did not finish in time."""

@@ -201,16 +201,16 @@ def test_store_lookups_never_ask_a_remote_tier() -> None:
     asyncio.run(case())
 
 
-def test_pacer_grows_from_a_small_start_and_halves_on_a_timeout() -> None:
+def test_pacer_starts_small_follows_the_rate_and_halves_on_a_timeout() -> None:
     pacer = BatchPacer(timeout_s=1.0)
     assert pacer.size(1 << 20, 500) == INITIAL_CHUNKS
-    pacer.succeeded(4 << 20, 0.01, 4)  # 400 MiB/s: far more would fit, but grow by 2x
-    assert pacer.size(1 << 20, 500) == 8
-    pacer.succeeded(8 << 20, 0.01, 8)
-    assert pacer.size(1 << 20, 500) == 16
-    pacer.timed_out(16 << 20, 16)  # slower than 16 MiB/s after all
-    assert pacer.size(1 << 20, 500) == 8
+    pacer.succeeded(4 << 20, 0.05, 4)  # 80 MiB/s: 40 MiB fit in half the timeout
+    assert pacer.size(1 << 20, 500) == 40
+    pacer.timed_out(40 << 20, 40)  # slower than 40 MiB/s after all
+    assert pacer.size(1 << 20, 500) == 20
     assert pacer.size(1 << 20, 3) == 3
+    pacer.succeeded(20 << 20, 0.5, 20)  # 40 MiB/s measured
+    assert pacer.size(1 << 20, 500) == 20
     slow = BatchPacer(timeout_s=0.5)
     slow.succeeded(1_600_000, 1.0, 4)  # 1.6 MB/s: a batch should take 0.25 s
     assert slow.size(100_000, 500) == 4  # 400 kB per 0.25 s
