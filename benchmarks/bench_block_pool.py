@@ -11,10 +11,10 @@ against the same operations on vLLM's ``BlockPool`` when vLLM imports, and alway
 plain dict + deque allocator without ref counts (the floor for a Python pool); each
 ratio is our rate over the baseline's.
 
-Also the hashing cost behind lmtier.block_pool's choice of block hashes, on a 32k-token
-prompt: the 256-token chunk-key chain, the 16-token block chain (same code), that chain
-as one bare loop, vLLM's sha256-CBOR block hashes, and copying 8 KiB of KV per token
-into preallocated memory.
+Also the hashing cost behind lmtier_connector.device.block_pool's choice of block
+hashes, on a 32k-token prompt: the 256-token chunk-key chain, the 16-token block chain
+(same code), that chain as one bare loop, vLLM's sha256-CBOR block hashes, and
+copying 8 KiB of KV per token into preallocated memory.
 
 Usage: python benchmarks/bench_block_pool.py [--quick]   (last line: one JSON object)
 """
@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from lmtier.block_pool import BlockHash, BlockPool, block_hashes
-from lmtier.keys import Namespace, chunk_keys
-from lmtier.vllm_hash import vllm_block_hashes
+from lmtier.chunks.hashers import chunk_keys
+from lmtier.chunks.keys import Namespace
+from lmtier.chunks.vllm_hash import vllm_block_hashes
+from lmtier_connector.device.block_pool import BlockHash, BlockPool, block_hashes
 
 NUM_BLOCKS = 100_000
 BLOCKS_PER_REQUEST = 16

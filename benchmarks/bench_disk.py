@@ -37,10 +37,10 @@ from typing import Any
 import aiofiles
 import numpy as np
 
-from lmtier.chunk_format import ChunkMeta, align_up, encode
-from lmtier.keys import ChunkKey, split_key
+from lmtier.chunks.format import ChunkMeta, align_up, encode
+from lmtier.chunks.keys import ChunkKey, split_key
 from lmtier.testing import random_key
-from lmtier_backends.disk import DiskTier
+from lmtier_backends.disk.tier import DiskTier
 
 NUM_TOKENS, HIDDEN = 256, 1024  # the payload of make_chunk(num_tokens=256, hidden=1024)
 ALIGN = 4096

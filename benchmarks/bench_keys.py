@@ -20,7 +20,8 @@ import numpy as np
 import xxhash
 from bench_common import median_s
 
-from lmtier.keys import Namespace, chunk_keys
+from lmtier.chunks.hashers import chunk_keys
+from lmtier.chunks.keys import Namespace
 
 PROMPT_TOKENS = 32 * 1024
 KV_BYTES_PER_TOKEN = 8192  # 8 layers x 2 (K, V) x 2 KV heads x 64 dims x 4 bytes (DESIGN 10)

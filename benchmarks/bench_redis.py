@@ -41,10 +41,10 @@ import numpy as np
 import redis
 import redis.asyncio as aredis
 
-from lmtier.chunk_format import ChunkMeta, encode
-from lmtier.keys import ChunkKey, split_key
+from lmtier.chunks.format import ChunkMeta, encode
+from lmtier.chunks.keys import ChunkKey, split_key
 from lmtier.testing import random_key
-from lmtier_backends.redis_tier import RedisTier
+from lmtier_backends.redis.tier import RedisTier
 
 MIB = 1 << 20
 SIZES = {"2MiB": 1024, "8MiB": 4096}  # hidden size of a 256-token fp32 chunk

@@ -45,8 +45,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from lmtier.testing import make_chunk, random_key
-from lmtier_backends.s3_io import ViewReader, read_body_into
-from lmtier_backends.s3_tier import S3Tier
+from lmtier_backends.s3.io import ViewReader, read_body_into
+from lmtier_backends.s3.tier import S3Tier
 
 BUCKET = "lmtier-bench"
 MIB = 1 << 20

@@ -24,13 +24,14 @@ import tracemalloc
 import numpy as np
 from bench_common import median_s
 
-from lmtier.cpu_tier import CPUTier
-from lmtier.keys import ChunkKey, Namespace, chunk_keys
-from lmtier.memory import HostPool
+from lmtier.chunks.hashers import chunk_keys
+from lmtier.chunks.keys import ChunkKey, Namespace
 from lmtier.runtime import Runtime
-from lmtier.storage_manager import StorageManager
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
-from lmtier_backends.disk import DiskTier
+from lmtier_backends.disk.tier import DiskTier
 
 CHUNK_TOKENS = 256
 HIDDEN = 1024  # 2 (K, V) x 256 tokens x 1024 floats x 4 bytes = 2 MiB payload

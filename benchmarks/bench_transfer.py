@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from lmtier.chunk_format import ChunkMeta
-from lmtier.keys import ChunkKey
+from lmtier.chunks.format import ChunkMeta
+from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, payload_tensor
-from lmtier.memory import HostPool, SlabHandle
-from lmtier_connector.paged_kv import PagedKVCache
-from lmtier_connector.transfer import (
+from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier_connector.device.paged_kv import PagedKVCache
+from lmtier_connector.device.transfer import (
     TransferEngine,
     gather,
     save_chunk_into_slab,

@@ -29,8 +29,8 @@ from transformers import DynamicCache
 
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
-from lmtier_connector.demo_model import build_demo_model
-from lmtier_connector.hf import CachedCausalLM, kv_spec_of
+from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
+from lmtier_connector.hf.demo_model import build_demo_model
 
 PREFIX, SUFFIX = 3840, 256
 

@@ -41,8 +41,8 @@ with warnings.catch_warnings():
     from lmtier.api import LMTier
     from lmtier.config import load_config
     from lmtier.kv_spec import KVSpec
-    from lmtier_connector.vllm_meta import ChunkRefs, LMTierConnectorMetadata, LoadSpec, SaveSpec
-    from lmtier_connector.vllm_worker import WorkerHalf
+    from lmtier_connector.vllm.common import ChunkRefs, LMTierConnectorMetadata, LoadSpec, SaveSpec
+    from lmtier_connector.vllm.worker import WorkerHalf
 
 LAYERS, HEADS, DIM, BLOCK, CHUNK, TOKENS = 8, 8, 128, 16, 256, 4096
 WARMUP = 3

@@ -2,10 +2,12 @@
 
 Prefix KV is computed once and served to every later request from the fastest tier
 that holds it: GPU prefix cache, pinned CPU memory, local NVMe, Redis, S3. Chunks
-are keyed by chained hashes of fixed-size token chunks (:mod:`lmtier.keys`) and
-stored in one byte format in every tier (:mod:`lmtier.chunk_format`).
+are keyed by chained hashes of fixed-size token chunks (:mod:`lmtier.chunks.keys`) and
+stored in one byte format in every tier (:mod:`lmtier.chunks.format`).
 
-Start from :class:`LMTier` (see :mod:`lmtier.api`). Names are imported lazily, so
+Start from :class:`LMTier` (see :mod:`lmtier.api`). Everything an engine needs is
+exported here (the facade, its results, the chunk and slab types it hands out);
+engines never reach into :mod:`lmtier.storage`. Names are imported lazily, so
 processes that only move bytes (storage backends, the CLI's ``keys``) never load torch.
 """
 
@@ -15,42 +17,59 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmtier.api import CacheLookup, LMTier, LoadResult
+    from lmtier.api import LMTier
+    from lmtier.chunks.format import ChunkMeta, DecodedChunk
+    from lmtier.chunks.hashers import chunk_keys, make_hasher
+    from lmtier.chunks.keys import ChunkKey, ExtraKeys, MultimodalSpan, Namespace
     from lmtier.config import LMTierConfig, load_config
     from lmtier.errors import LMTierError
-    from lmtier.keys import ChunkKey, ExtraKeys, MultimodalSpan, Namespace, chunk_keys, make_hasher
     from lmtier.kv_spec import KVSpec
+    from lmtier.results import CacheLookup, HostMemory, LoadResult
+    from lmtier.storage.lookup import LoadedChunk, Lookup
+    from lmtier.storage.memory import SlabHandle
 
 _EXPORTS = {
-    "CacheLookup": "lmtier.api",
+    "CacheLookup": "lmtier.results",
+    "HostMemory": "lmtier.results",
     "LMTier": "lmtier.api",
-    "LoadResult": "lmtier.api",
+    "LoadResult": "lmtier.results",
     "LMTierConfig": "lmtier.config",
     "load_config": "lmtier.config",
     "LMTierError": "lmtier.errors",
-    "ChunkKey": "lmtier.keys",
-    "ExtraKeys": "lmtier.keys",
-    "MultimodalSpan": "lmtier.keys",
-    "Namespace": "lmtier.keys",
-    "chunk_keys": "lmtier.keys",
-    "make_hasher": "lmtier.keys",
+    "ChunkKey": "lmtier.chunks.keys",
+    "ExtraKeys": "lmtier.chunks.keys",
+    "MultimodalSpan": "lmtier.chunks.keys",
+    "Namespace": "lmtier.chunks.keys",
+    "chunk_keys": "lmtier.chunks.hashers",
+    "make_hasher": "lmtier.chunks.hashers",
+    "ChunkMeta": "lmtier.chunks.format",
+    "DecodedChunk": "lmtier.chunks.format",
     "KVSpec": "lmtier.kv_spec",
+    "LoadedChunk": "lmtier.storage.lookup",
+    "Lookup": "lmtier.storage.lookup",
+    "SlabHandle": "lmtier.storage.memory",
 }
 
 __all__ = [
+    "chunk_keys",
+    "load_config",
+    "make_hasher",
     "CacheLookup",
     "ChunkKey",
+    "ChunkMeta",
+    "DecodedChunk",
     "ExtraKeys",
+    "HostMemory",
     "KVSpec",
     "LMTier",
     "LMTierConfig",
     "LMTierError",
     "LoadResult",
+    "LoadedChunk",
+    "Lookup",
     "MultimodalSpan",
     "Namespace",
-    "chunk_keys",
-    "load_config",
-    "make_hasher",
+    "SlabHandle",
 ]
 
 __version__ = "0.1.0"

@@ -35,10 +35,13 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from lmtier.chunk_check import ChunkCheck
-from lmtier.chunk_format import ChunkMeta, MacSigner, align_up
+from lmtier.chunks.format import ChunkMeta, MacSigner, align_up
+from lmtier.chunks.hashers import make_hasher
+from lmtier.chunks.integrity import load_key
+from lmtier.chunks.keys import KEY_BYTES, ChunkHasher, ChunkKey, ExtraKeys, Namespace
+from lmtier.chunks.tokens import TokenInput
 from lmtier.config import LMTierConfig, load_config
-from lmtier.cpu_tier import CPUTier
+from lmtier.config.sizes import format_size
 from lmtier.errors import (
     CacheClosedError,
     ConfigError,
@@ -46,19 +49,17 @@ from lmtier.errors import (
     InvalidRequestError,
     brief,
 )
-from lmtier.integrity import load_key
-from lmtier.keys import KEY_BYTES, ChunkKey, ExtraKeys, Namespace, make_hasher
 from lmtier.kv_spec import KVSource, KVSpec, check_kv, encode_kv_into, narrow_kv, seal_slab
-from lmtier.load_result import CacheLookup, LoadResult, caller
-from lmtier.lookup import Lookup
-from lmtier.memory import HostPool, SlabHandle
-from lmtier.plugins import open_tiers
+from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.runtime import Runtime
-from lmtier.sizes import format_size
-from lmtier.storage_manager import EvictListener, StorageManager
-from lmtier.tokens import TokenInput
+from lmtier.storage.check import ChunkCheck
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.lookup import Lookup
+from lmtier.storage.manager import EvictListener, StorageManager
+from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.plugins import open_tiers
 
-__all__ = ["CacheLookup", "LMTier", "LoadResult"]
+__all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,14 +197,24 @@ class LMTier:
         )
         return pool, cache_slabs
 
-    @property
-    def host_memory_bytes(self) -> int:
-        """Host memory this cache allocated (cached chunks plus staging); 0 when closed."""
-        pool = self._pool
-        return pool.nbytes if pool is not None else 0
+    def host_memory(self) -> HostMemory:
+        """What this cache holds in host memory now (a snapshot; any thread)."""
+        manager, pool = self._require(), self._pool
+        assert pool is not None  # set together with the manager
+        return HostMemory(
+            total_bytes=pool.nbytes,
+            slab_bytes=pool.slab_bytes,
+            slabs=pool.num_slabs,
+            slabs_in_use=pool.num_in_use,
+            cached_chunks=len(manager.memory),
+            cache_capacity_chunks=manager.memory.max_chunks,
+        )
 
-    @property
-    def manager(self) -> StorageManager:
+    def in_memory(self, key: ChunkKey) -> bool:
+        """Whether chunk ``key`` is in the CPU tier now (no stats, no recency change)."""
+        return key in self._require().memory
+
+    def _require(self) -> StorageManager:
         """The StorageManager (CacheClosedError before :meth:`start` or after close)."""
         manager = self._manager
         if manager is None:
@@ -221,15 +232,20 @@ class LMTier:
         self, tokens: TokenInput, *, cache_salt: str = "", extras: ExtraKeys | None = None
     ) -> list[ChunkKey]:
         """Chunk keys of every full chunk of ``tokens``."""
+        return self.hasher(cache_salt=cache_salt, extras=extras).extend(tokens)
+
+    def hasher(self, *, cache_salt: str = "", extras: ExtraKeys | None = None) -> ChunkHasher:
+        """An incremental hasher of this cache's keys for one growing sequence: a prompt,
+        then the tokens decoded after it, each hashed once (``extend`` returns the keys
+        of the chunks the new tokens complete)."""
         if extras is not None and not isinstance(extras, ExtraKeys):
             raise InvalidRequestError(f"extras must be ExtraKeys, got {type(extras).__name__}")
-        hasher = make_hasher(
+        return make_hasher(
             self.namespace(cache_salt),
             algorithm=self.config.hash_algorithm,
             extras=extras,
             vocab_size=self.vocab_size,
         )
-        return hasher.extend(tokens)
 
     def lookup(
         self,
@@ -259,7 +275,7 @@ class LMTier:
         return self._lookup(_checked_keys(keys), local_only=local_only)
 
     def _lookup(self, keys: Sequence[ChunkKey], *, local_only: bool) -> Lookup:
-        manager = self.manager
+        manager = self._require()
         if not keys:
             return Lookup(0, ())
         if local_only:
@@ -280,7 +296,7 @@ class LMTier:
         return self._load(_checked_keys(keys), lookup, caller())
 
     def _load(self, keys: Sequence[ChunkKey], lookup: Lookup | None, origin: str) -> LoadResult:
-        manager = self.manager
+        manager = self._require()
         chunks = self._runtime.run(manager.get(keys, lookup)) if keys else []
         return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis, origin)
 
@@ -288,8 +304,8 @@ class LMTier:
         """Up to ``count`` free host slabs to encode chunks into (evicting idle cached
         chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
         _require_int("count", count)
-        manager = self.manager
-        return self._runtime.run(self._acquire(manager, count)) if count > 0 else []
+        manager = self._require()
+        return self._runtime.call(manager.acquire_slabs, count, True) if count > 0 else []
 
     def seal_slab(self, handle: SlabHandle, meta: ChunkMeta) -> int:
         """Frame a payload already copied into ``handle``'s slab at its place
@@ -300,9 +316,9 @@ class LMTier:
     def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
         """Store chunks already encoded in slabs (``(key, lease, encoded length)``); takes
         ownership of each lease. The CPU tier adopts them now, lower tiers in the background."""
-        manager = self.manager
+        manager = self._require()
         if encoded:
-            self._runtime.run(self._put(manager, encoded))
+            self._runtime.call(manager.put_many, encoded)
 
     def load(
         self,
@@ -339,15 +355,28 @@ class LMTier:
         tiers are not asked), and if every host slab is held by readers and pending
         writes, the remaining chunks are dropped and counted (``cpu.queue_drops``).
         """
-        self.manager  # noqa: B018 - fail fast when closed, before any work
-        keys = self.keys(tokens, cache_salt=cache_salt, extras=extras)
+        self._require()  # fail fast when closed, before any work
+        return self.store_keys(self.keys(tokens, cache_salt=cache_salt, extras=extras), kv)
+
+    def store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, *, skip: int | None = None) -> int:
+        """:meth:`store` for the keys of a sequence already hashed (chunk ``i`` is
+        ``kv``'s tokens ``[i * chunk_size, (i + 1) * chunk_size)``).
+
+        ``skip``: how many leading chunks the caller knows are cached (the lookup it has
+        just made); None asks the local tiers.
+        """
+        keys = _checked_keys(keys)
+        self._require()
         covered = check_kv(kv, self.kv_spec)
         if covered < len(keys) * self.chunk_size:
             raise InvalidKVError(
                 f"kv covers {covered} tokens; the {len(keys)} full chunks of these tokens "
                 f"need {len(keys) * self.chunk_size}"
             )
-        present = self._lookup(keys, local_only=True).num_chunks
+        if skip is not None:
+            present = _require_int("skip", skip)
+        else:
+            present = self._lookup(keys, local_only=True).num_chunks
         stored = 0
         for first in range(present, len(keys), STORE_BATCH):
             batch = range(first, min(first + STORE_BATCH, len(keys)))
@@ -368,26 +397,6 @@ class LMTier:
             if len(handles) < len(batch):
                 break  # the pool is exhausted by readers and pending writes: drop the rest
         return stored
-
-    @staticmethod
-    async def _acquire(manager: StorageManager, count: int) -> list[SlabHandle]:
-        """Up to ``count`` slabs; fewer (counted as dropped) when every slab is busy."""
-        memory = manager.memory
-        handles: list[SlabHandle] = []
-        for _ in range(count):
-            handle = memory.acquire_slab()
-            if handle is None:
-                memory.stats.queue_drops += count - len(handles)
-                break
-            handles.append(handle)
-        return handles
-
-    @staticmethod
-    async def _put(
-        manager: StorageManager, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]
-    ) -> None:
-        for key, handle, size in encoded:
-            manager.put(key, handle, size)
 
     def _limited_keys(
         self,
@@ -416,34 +425,21 @@ class LMTier:
         the callback runs on the runtime's loop thread, inside the eviction, so it must
         be quick, thread-safe with respect to the caller's own state, and must not call
         back into this cache. One that raises is logged and ignored."""
-        manager = self.manager
-        self._runtime.run(self._add_evict_listener(manager, callback))
+        self._runtime.call(self._require().add_evict_listener, callback)
 
     def remove_evict_listener(self, callback: EvictListener) -> None:
         """Stop calling ``callback`` (a no-op once the cache is closed)."""
         manager = self._manager
         if manager is not None:
-            self._runtime.run(self._remove_evict_listener(manager, callback))
-
-    @staticmethod
-    async def _add_evict_listener(manager: StorageManager, callback: EvictListener) -> None:
-        manager.add_evict_listener(callback)
-
-    @staticmethod
-    async def _remove_evict_listener(manager: StorageManager, callback: EvictListener) -> None:
-        manager.remove_evict_listener(callback)
+            self._runtime.call(manager.remove_evict_listener, callback)
 
     def flush(self) -> None:
         """Wait until background writes queued so far have been attempted."""
-        self._runtime.run(self.manager.flush())
+        self._runtime.run(self._require().flush())
 
     def stats(self) -> dict[str, dict[str, object]]:
-        """Counters of every tier (see :class:`~lmtier.stats.TierStats`)."""
-        return self._runtime.run(self._stats(self.manager))
-
-    @staticmethod
-    async def _stats(manager: StorageManager) -> dict[str, dict[str, object]]:
-        return manager.stats()
+        """Counters of every tier (see :class:`~lmtier.storage.stats.TierStats`)."""
+        return self._runtime.call(self._require().stats)
 
     def close(self) -> None:
         """Flush background writes, close the tiers, stop the runtime. Idempotent; the

@@ -22,10 +22,11 @@ from typing import TextIO
 
 import numpy as np
 
-from lmtier.chunk_format import DTYPE_ITEMSIZE, LAYOUTS
+from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS
+from lmtier.chunks.hashers import make_hasher
+from lmtier.chunks.keys import HASH_ALGORITHMS, Namespace
 from lmtier.config import LMTierConfig, chunk_size_problem, load_config
 from lmtier.errors import ConfigError, InvalidTokensError, LMTierError
-from lmtier.keys import Namespace, make_hasher
 
 __all__ = ["main"]
 
@@ -145,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--cache-salt", help="tenant salt: keys differ for every salt")
     keys.add_argument(
         "--hash",
-        choices=["xxh3", "vllm"],
+        choices=HASH_ALGORITHMS,
         help="xxh3: chained xxh3-128 (default); vllm: keys from vLLM's sha256_cbor block hashes",
     )
     keys.add_argument("--vocab-size", type=int, help="reject token ids >= this")

@@ -88,7 +88,14 @@ class LMTierError(Exception):
 
 
 class ConfigError(LMTierError, ValueError):
-    """Configuration that cannot be used: an unknown key, a bad value, a bad file."""
+    """Configuration that cannot be used: an unknown key, a bad value, a bad file.
+
+    ``key``: the dotted key at fault, when there is one (``"cpu.capacity_bytes"``).
+    """
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class InvalidRequestError(LMTierError, ValueError, TypeError):

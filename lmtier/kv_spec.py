@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lmtier.chunk_format import (
+from lmtier.chunks.format import (
     DTYPE_ITEMSIZE,
     LAYOUTS,
     ChunkGeometry,
@@ -26,9 +26,9 @@ from lmtier.chunk_format import (
     encoded_size,
     header_bytes,
 )
+from lmtier.chunks.keys import KEY_BYTES, ChunkKey, split_key
 from lmtier.errors import InvalidKVError, brief
-from lmtier.keys import KEY_BYTES, ChunkKey, split_key
-from lmtier.memory import SlabHandle
+from lmtier.storage.memory import SlabHandle
 
 __all__ = [
     "KVSource",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -78,6 +78,15 @@ class Runtime:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"{self.name}: call did not finish in {timeout} s") from None
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run the plain function ``fn(*args)`` on the loop's thread and return its
+        result: for state only that thread may touch (tiers, the StorageManager)."""
+
+        async def on_loop() -> T:
+            return fn(*args)
+
+        return self.run(on_loop())
 
     def stop(self) -> None:
         """Cancel remaining tasks, stop the loop and join its thread. Idempotent."""

@@ -8,7 +8,7 @@ config="${LMTIER_CONFIG:-$here/lmtier.yaml}"
 exec vllm serve "$model" \
   --block-size 16 \
   --kv-transfer-config "{\"kv_connector\":\"LMTierConnector\",
-    \"kv_connector_module_path\":\"lmtier_connector.vllm_connector\",
+    \"kv_connector_module_path\":\"lmtier_connector.vllm\",
     \"kv_role\":\"kv_both\",
     \"kv_connector_extra_config\":{\"config_path\":\"$config\",\"vllm_block_hashes\":true}}" \
   "$@"

@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
-from lmtier_connector.device_tier import DevicePrefixCache
-from lmtier_connector.hf import CachedCausalLM, kv_spec_of
+from lmtier_connector.device.prefix_cache import DevicePrefixCache
+from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
 
 pytestmark = pytest.mark.e2e
 
@@ -155,7 +155,7 @@ def test_restart_in_a_new_process_hits_disk_with_equal_logits(tmp_path: Path) ->
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_hf_cache import config, prompt, reference_logits, tiny_llama
         from lmtier import LMTier
-        from lmtier_connector.hf import CachedCausalLM, kv_spec_of
+        from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
         model = tiny_llama()
         ids = prompt(330, seed=8)
         with LMTier.open(config(Path(sys.argv[1])), kv=kv_spec_of(model), model_id="tiny") as cache:

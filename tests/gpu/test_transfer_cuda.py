@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from lmtier.chunk_format import decode
-from lmtier.keys import ChunkKey
+from lmtier.chunks.format import decode
+from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor, seal_slab
-from lmtier.memory import HostPool, SlabHandle
-from lmtier_connector.paged_kv import PagedKVCache
-from lmtier_connector.transfer import TransferEngine, gather
+from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier_connector.device.paged_kv import PagedKVCache
+from lmtier_connector.device.transfer import TransferEngine, gather
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,7 +21,7 @@ import pytest
 
 from lmtier.errors import ConfigError
 from lmtier.testing import make_chunk
-from lmtier_backends.disk import DiskTier
+from lmtier_backends.disk.tier import DiskTier
 
 pytestmark = pytest.mark.integration
 
@@ -164,7 +164,7 @@ def test_three_processes_keep_a_shared_directory_within_capacity(tmp_path: Path)
         f"""
         import asyncio, sys
         from lmtier.testing import make_chunk
-        from lmtier_backends.disk import DiskTier
+        from lmtier_backends.disk.tier import DiskTier
 
         async def main(seed):
             tier = await DiskTier.open(sys.argv[1], {capacity}, fsync=False)

@@ -4,7 +4,6 @@ checked."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +13,12 @@ import torch
 from redis_servers import RedisServer
 
 from lmtier import KVSpec, LMTier, LMTierConfig
-from lmtier.chunk_format import decode
+from lmtier.chunks.format import decode
+from lmtier.chunks.integrity import ChunkMac
 from lmtier.config import CPUTierConfig, DiskTierConfig, IntegrityConfig, RedisTierConfig
 from lmtier.errors import ConfigError
-from lmtier.integrity import ChunkMac
 from lmtier.kv_spec import encode_kv_into
-from lmtier.memory import HostPool
+from lmtier.storage.memory import HostPool
 
 pytestmark = pytest.mark.integration
 
@@ -43,10 +42,6 @@ def config(url: str, node: Path, key: str | None = KEY) -> LMTierConfig:
         redis=RedisTierConfig(url=url, key_prefix=f"{node.parent.name}:"),  # type: ignore[arg-type]
         integrity=IntegrityConfig(key=key),  # type: ignore[arg-type]
     )
-
-
-def vars_of(cfg: LMTierConfig) -> dict[str, object]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 def kv_for(num_tokens: int, seed: int) -> torch.Tensor:
@@ -100,7 +95,7 @@ def test_local_tiers_are_not_checked(redis_server: RedisServer, tmp_path: Path) 
     with LMTier.open(unsigned, kv=SPEC, model_id="local") as cache:
         assert cache.store(prompt, kv) == 2  # on disk, without a MAC
         cache.flush()
-    signed = LMTierConfig(**{**vars_of(config(redis_server.url, node)), "redis": RedisTierConfig()})
+    signed = config(redis_server.url, node).replace(redis=RedisTierConfig())
     with LMTier.open(signed, kv=SPEC, model_id="local") as cache, cache.load(prompt) as hit:
         assert hit.tokens_by_tier() == {"disk": 2 * CHUNK}  # this user's own disk: served
 

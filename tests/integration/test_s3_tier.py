@@ -26,17 +26,17 @@ from s3_server import (  # noqa: F401 - fixtures
     s3_server,
 )
 
-from lmtier.breaker import BreakerState, CircuitBreaker
+from lmtier.chunks.keys import ChunkKey
 from lmtier.config import S3TierConfig
-from lmtier.conformance import TierConformance
-from lmtier.cpu_tier import CPUTier
+from lmtier.config.secrets import Secret
 from lmtier.errors import BackendError, ConfigError
-from lmtier.keys import ChunkKey
-from lmtier.memory import HostPool
-from lmtier.secrets import Secret
-from lmtier.storage_manager import StorageManager
+from lmtier.storage.breaker import BreakerState, CircuitBreaker
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
-from lmtier_backends.s3_tier import S3Tier, open_tier, read_body_into
+from lmtier.testing.conformance import TierConformance
+from lmtier_backends.s3.tier import S3Tier, open_tier, read_body_into
 
 pytestmark = pytest.mark.integration
 
@@ -300,7 +300,7 @@ def test_open_tier_from_config(endpoint: str, prefix: str) -> None:
     async def scenario() -> None:
         tier = await open_tier(config)
         try:
-            assert tier.properties.persistent and tier.properties.shared
+            assert tier.properties.shared
             assert tier.properties.write_policy == "write_through"
             assert tier.properties.timeout_s == config.timeout_s
             assert await tier.put([make_chunk()]) == 1

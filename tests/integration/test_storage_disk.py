@@ -15,8 +15,8 @@ import torch
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
-from lmtier.conformance import TierConformance
-from lmtier_backends.disk import DiskTier
+from lmtier.testing.conformance import TierConformance
+from lmtier_backends.disk.tier import DiskTier
 
 pytestmark = pytest.mark.integration
 

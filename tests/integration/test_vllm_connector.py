@@ -57,8 +57,8 @@ with warnings.catch_warnings():
         write_model_dir,
     )
 
-    from lmtier_connector.vllm_connector import LMTierConnector
-    from lmtier_connector.vllm_meta import LMTierConnectorMetadata, chunk_keys, lookup_keys
+    from lmtier_connector.vllm.common import LMTierConnectorMetadata, chunk_keys
+    from lmtier_connector.vllm.connector import LMTierConnector
 
 
 @pytest.fixture(scope="module")
@@ -331,11 +331,11 @@ def test_finished_is_reported_only_once_saves_are_done(
     assert engine.worker.get_finished({"a"}) == (None, None)
     cache = engine.connector.lmtier
     keys = chunk_keys(cache, meta.saves[0].refs)
-    assert lookup_keys(cache, keys) == 0  # not stored while the save is in flight
+    assert cache.lookup_keys(keys).num_chunks == 0  # not stored while the save is in flight
     gate.set()
     work._writer.submit(lambda: None).result()  # the save thread has run the save
     assert engine.worker.get_finished(set()) == ({"a"}, None)
-    assert lookup_keys(cache, keys) == 3
+    assert cache.lookup_keys(keys).num_chunks == 3
 
 
 def test_block_stored_is_announced_once_the_chunks_are_stored(
@@ -373,7 +373,7 @@ def test_block_removed_is_announced_when_the_cpu_tier_evicts(
     config = lmtier_overrides(tmp_path, cpu={"capacity_bytes": 2 * slab})  # two chunks
     engine = Engine(make_vllm_config(model_dir, {"config": config}))
     engines.append(engine)
-    assert engine.worker.lmtier.manager.memory.max_chunks == 2
+    assert engine.worker.lmtier.host_memory().cache_capacity_chunks == 2
     first = engine.add("a", PREFIX[:200])  # three chunks in one step: the first is
     engine.step()  # evicted by the third while they are being put
     engine.worker._work()._writer.submit(lambda: None).result()
@@ -395,4 +395,4 @@ def test_block_removed_is_announced_when_the_cpu_tier_evicts(
     cache = engine.connector.lmtier
     cache.flush()
     keys = chunk_keys(cache, engine.connector._sched().refs(first, 0, 3))
-    assert lookup_keys(cache, keys) == 3
+    assert cache.lookup_keys(keys).num_chunks == 3

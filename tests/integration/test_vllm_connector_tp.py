@@ -38,16 +38,15 @@ with warnings.catch_warnings():
         write_model_dir,
     )
 
-    from lmtier_connector import vllm_connector
-    from lmtier_connector.vllm_connector import LMTierConnector
-    from lmtier_connector.vllm_meta import (
+    from lmtier_connector.vllm import connector as vllm_connector
+    from lmtier_connector.vllm.common import (
         ChunkRefs,
         LMTierConnectorMetadata,
         LoadSpec,
         SaveSpec,
         chunk_keys,
-        lookup_keys,
     )
+    from lmtier_connector.vllm.connector import LMTierConnector
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +127,7 @@ def test_tp_ranks_store_and_load_their_own_shards(
                 kv = kvs[rank][name]
                 assert torch.equal(kv[list(DST)], kv[list(SRC)])
         keys = [chunk_keys(c, refs_of(PREFIX[100:])) for c in caches]
-        assert [lookup_keys(c, k) for c, k in zip(caches, keys, strict=True)] == [2, 0]
+        assert [c.lookup_keys(k).num_chunks for c, k in zip(caches, keys, strict=True)] == [2, 0]
         run_worker(ranks[1], load_meta("only0", PREFIX[100:]))  # not rank 1's shard
         assert ranks[1].get_block_ids_with_load_errors() == set(DST)
     finally:
@@ -150,7 +149,8 @@ def test_mla_rank_0_saves_and_every_rank_loads_the_same_latent(
         assert [w._work().saves for w in ranks] == [True, False]
         for worker in ranks:  # both get the save; only rank 0 writes
             run_worker(worker, save_meta("a", PREFIX))
-        assert lookup_keys(ranks[0].lmtier, chunk_keys(ranks[0].lmtier, refs_of(PREFIX))) == 2
+        found = ranks[0].lmtier.lookup_keys(chunk_keys(ranks[0].lmtier, refs_of(PREFIX)))
+        assert found.num_chunks == 2
         for worker in ranks:
             run_worker(worker, load_meta("a", PREFIX))
             assert worker.get_block_ids_with_load_errors() == set()

@@ -92,7 +92,7 @@ def make_vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
             ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="LMTierConnector",
-                kv_connector_module_path="lmtier_connector.vllm_connector",
+                kv_connector_module_path="lmtier_connector.vllm",
                 kv_role="kv_both",
                 kv_connector_extra_config=extra,
             ),

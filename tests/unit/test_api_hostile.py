@@ -126,7 +126,8 @@ def test_bad_arguments_are_typed_one_line_errors_that_lose_nothing(
     assert (after["puts"], after["evictions"]) == (before["puts"], before["evictions"])
     with cache.load(PROMPT) as hit:  # what was cached is still there, unchanged
         assert torch.equal(hit.kv(), KV)
-    assert cache._pool is not None and cache._pool.num_in_use == len(cache.manager.memory)
+    memory = cache.host_memory()
+    assert memory.slabs_in_use == memory.cached_chunks
 
 
 def test_numpy_bool_tokens_and_mixed_lists_are_refused() -> None:
@@ -169,10 +170,10 @@ def test_caches_of_other_geometries_never_share_keys() -> None:
 def test_host_memory_is_capacity_plus_staging_and_nothing_more() -> None:
     stride = -(-SLAB // 4096) * 4096
     with LMTier.open(config(cpu_chunks=10, staging_chunks=3), kv=SPEC, model_id="m") as cache:
-        assert cache.host_memory_bytes == 13 * stride
+        assert cache.host_memory().total_bytes == 13 * stride
     off = config(cpu_chunks=10, staging_chunks=3, enabled=False)
     with LMTier.open(off, kv=SPEC, model_id="m") as cache:
-        assert cache.host_memory_bytes == 3 * stride
+        assert cache.host_memory().total_bytes == 3 * stride
         assert cache.store(PROMPT, KV) == 3  # staged, nothing cached in host memory
     with pytest.raises(ConfigError, match="staging_bytes"):
         LMTier.open(config(cpu_chunks=0, staging_chunks=0), kv=SPEC, model_id="m")
@@ -238,7 +239,8 @@ def test_views_of_a_dropped_load_result_keep_its_slabs() -> None:
         assert torch.equal(torch.cat(views, dim=2), KV)
         del views
         gc.collect()
-        assert cache._pool is not None and cache._pool.num_in_use == len(cache.manager.memory)
+        memory = cache.host_memory()
+    assert memory.slabs_in_use == memory.cached_chunks
 
 
 def test_host_memory_of_a_large_model_with_a_small_cpu_tier_stays_small() -> None:
@@ -249,5 +251,5 @@ def test_host_memory_of_a_large_model_with_a_small_cpu_tier_stays_small() -> Non
         cpu=CPUTierConfig(capacity_bytes=64 << 20), disk=DiskTierConfig(enabled=False)
     )
     with LMTier.open(cfg, kv=spec, model_id="llama-ish") as cache:
-        assert cache.host_memory_bytes <= (64 << 20) + (256 << 20)
-        assert cache.host_memory_bytes >= 4 * spec.encoded_chunk_bytes(256)
+        assert cache.host_memory().total_bytes <= (64 << 20) + (256 << 20)
+        assert cache.host_memory().total_bytes >= 4 * spec.encoded_chunk_bytes(256)

@@ -15,7 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmtier.block_pool import (
+from lmtier.chunks.keys import Namespace
+from lmtier_connector.device.block_pool import (
     Block,
     BlockHash,
     BlockHashMap,
@@ -24,7 +25,6 @@ from lmtier.block_pool import (
     PrefixCache,
     block_hashes,
 )
-from lmtier.keys import Namespace
 
 NAMESPACE = Namespace(model_id="test-block-pool")
 
@@ -42,7 +42,7 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 
 def manual_chain(tokens: list[int], block_size: int) -> list[bytes]:
-    """h[i] = H(h[i-1], tokens of block i), spelled out from lmtier.keys' definition."""
+    """h[i] = H(h[i-1], tokens of block i), spelled out from lmtier.chunks.keys' definition."""
     digest = dataclasses.replace(NAMESPACE, chunk_size=block_size).digest
     parent, hashes = digest, []
     for start in range(0, len(tokens) - block_size + 1, block_size):

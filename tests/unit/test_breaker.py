@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from lmtier.breaker import BreakerState, CircuitBreaker
-from lmtier.cpu_tier import CPUTier
-from lmtier.memory import HostPool
-from lmtier.storage_manager import StorageManager
+from lmtier.storage.breaker import BreakerState, CircuitBreaker
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool
 from lmtier.testing import DictTier, FakeClock, make_chunk
 
 

@@ -18,8 +18,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lmtier.chunk_format as cf
-from lmtier.chunk_format import (
+import lmtier.chunks.format as cf
+from lmtier.chunks.format import (
     DTYPE_ITEMSIZE,
     LAYOUTS,
     MAX_HEADER_LEN,

@@ -6,14 +6,16 @@ import io
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.chunks.hashers import chunk_keys
+from lmtier.chunks.keys import Namespace
 from lmtier.cli import main
 from lmtier.config import DiskTierConfig
-from lmtier.keys import Namespace, chunk_keys
 
 
 def run_cli(
@@ -137,3 +139,22 @@ def test_verbose_output_never_shows_a_redis_password(password: str) -> None:
     assert password not in result.stdout + result.stderr
     if result.returncode:  # an unencoded delimiter: one clear line, naming the setting
         assert "redis.url" in result.stderr and "percent-encode" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["keys", "--sample"], ["--help"], ["keys", "--help"]])
+def test_the_cli_starts_without_torch_or_transformers(args: list[str]) -> None:
+    # In a fresh process: which modules did building the CLI and running it load?
+    script = textwrap.dedent(
+        f"""
+        import contextlib, io, sys
+        from lmtier.cli import main
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            main({args!r})
+        loaded = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")]
+        print(sorted(loaded), "lmtier_connector.hf.cli" in sys.modules)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[] True"  # the demo is registered, not imported

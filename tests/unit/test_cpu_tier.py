@@ -10,11 +10,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lmtier.conformance import TierConformance
-from lmtier.cpu_tier import CPUTier
-from lmtier.keys import ChunkKey
-from lmtier.memory import HostPool, SlabHandle
+from lmtier.chunks.keys import ChunkKey
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.testing import make_chunk
+from lmtier.testing.conformance import TierConformance
 
 
 class TestCPUTierConformance(TierConformance):

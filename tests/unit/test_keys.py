@@ -16,8 +16,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmtier.chunks.hashers import chunk_keys, make_hasher
+from lmtier.chunks.keys import ExtraKeys, MultimodalSpan, Namespace
 from lmtier.errors import ConfigError, InvalidTokensError
-from lmtier.keys import ExtraKeys, MultimodalSpan, Namespace, chunk_keys, make_hasher
 
 CHUNK = 16
 NS = Namespace(model_id="tiny-llama", chunk_size=CHUNK)
@@ -215,7 +216,7 @@ GOLDEN = {
 
 
 def test_namespace_digest_is_the_documented_encoding() -> None:
-    # The scheme of lmtier.keys' docstring, computed independently of Namespace.
+    # The scheme of lmtier.chunks.keys' docstring, computed independently of Namespace.
     fields = ["lmtier.namespace", 2, "golden-model", "r1", "float32", "LKTHD"]
     fields += [2, 4, 8, 4, 1, 0, 2, ""]  # geometry, chunk size, TP, format version, salt
     expected = xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
@@ -262,7 +263,8 @@ def test_golden_vectors() -> None:
 def test_keys_are_equal_across_processes_with_different_hash_seeds() -> None:
     script = textwrap.dedent(
         """
-        from lmtier.keys import Namespace, chunk_keys
+        from lmtier.chunks.keys import Namespace
+        from lmtier.chunks.hashers import chunk_keys
         ns = Namespace(model_id="m", cache_salt="s", chunk_size=16)
         tokens = [(i * 7919) % 50000 for i in range(100)]
         print(",".join(k.hex() for k in chunk_keys(tokens, ns)))

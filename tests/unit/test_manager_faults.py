@@ -10,16 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmtier.blocking import run_blocking
-from lmtier.chunk_check import ChunkCheck
-from lmtier.chunk_format import ChunkGeometry
-from lmtier.cpu_tier import CPUTier
-from lmtier.keys import ChunkKey
-from lmtier.memory import HostPool
-from lmtier.pacing import INITIAL_CHUNKS, BatchPacer
-from lmtier.storage_manager import StorageManager
+from lmtier.chunks.format import ChunkGeometry
+from lmtier.chunks.keys import ChunkKey
+from lmtier.storage.blocking import run_blocking
+from lmtier.storage.check import ChunkCheck
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool
+from lmtier.storage.pacing import INITIAL_CHUNKS, BatchPacer
+from lmtier.storage.tier import Buffer, TierProperties
 from lmtier.testing import DictTier, make_chunk
-from lmtier.tier import Buffer, TierProperties
 
 SLAB = 16 * 1024
 MARK = 0x5A
@@ -28,10 +28,10 @@ MARK = 0x5A
 class GatedTier(DictTier):
     """A tier whose reads and writes happen in a worker thread that waits for ``gate``:
     a slow device, whose I/O goes on after the StorageManager has given up on it. It
-    keeps the tier contract (lmtier.blocking): a call ends when its thread is done."""
+    keeps the tier contract (lmtier.storage.blocking): a call ends when its thread is done."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(name, TierProperties(persistent=True, shared=True, timeout_s=0.05))
+        super().__init__(name, TierProperties(shared=True, timeout_s=0.05))
         self.gate = threading.Event()
         self.threads = ThreadPoolExecutor(4)
 
@@ -131,7 +131,7 @@ def test_a_timed_out_write_keeps_its_slab_until_the_write_is_done() -> None:
 
 def test_load_is_cancelled_by_its_caller_and_slabs_wait_for_the_io() -> None:
     async def body(manager: StorageManager, tier: GatedTier) -> None:
-        tier.properties = TierProperties(persistent=True, shared=True, timeout_s=60)
+        tier.properties = TierProperties(shared=True, timeout_s=60)
         manager.guards["slow"].timeout_s = 60
         key, data = make_chunk(num_tokens=4, hidden=16, seed=3)
         tier.data[key] = data
@@ -156,7 +156,7 @@ def test_chunks_of_another_key_or_geometry_are_never_served() -> None:
 
     async def case() -> None:
         pool = HostPool(SLAB, 8)
-        remote = DictTier("remote", TierProperties(persistent=True, shared=True))
+        remote = DictTier("remote", TierProperties(shared=True))
         remote.data.update({good_key: good, other_key: good, wide_key: wide})
         check = ChunkCheck(ChunkGeometry("float32", "LKTHD", (1, 2, 4, 1, 16)))
         manager = StorageManager(CPUTier(pool, 4 * pool.slab_bytes), [remote], check=check)
@@ -187,7 +187,7 @@ def test_chunks_of_another_key_or_geometry_are_never_served() -> None:
 def test_store_lookups_never_ask_a_remote_tier() -> None:
     async def case() -> None:
         pool = HostPool(SLAB, 8)
-        hung = DictTier("remote", TierProperties(persistent=True, shared=True))
+        hung = DictTier("remote", TierProperties(shared=True))
         hung.hang = True
         manager = StorageManager(CPUTier(pool, 4 * pool.slab_bytes), [hung])
         key, data = make_chunk(num_tokens=4, hidden=16)

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from lmtier.errors import BackendUnavailable
-from lmtier.reopening_tier import ReopeningTier
+from lmtier.storage.reopening_tier import ReopeningTier
+from lmtier.storage.tier import Tier
 from lmtier.testing import DictTier, FakeClock, make_chunk
-from lmtier.tier import Tier
 
 
 def test_retries_with_backoff_then_delegates() -> None:

@@ -9,12 +9,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from lmtier.cpu_tier import CPUTier
-from lmtier.keys import ChunkKey
-from lmtier.memory import HostPool
-from lmtier.storage_manager import StorageManager, TierSpan
+from lmtier.chunks.keys import ChunkKey
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager, TierSpan
+from lmtier.storage.memory import HostPool
+from lmtier.storage.tier import TierProperties
 from lmtier.testing import DictTier, make_chunk
-from lmtier.tier import TierProperties
 
 SLAB = 16 * 1024
 
@@ -35,7 +35,7 @@ def run(
         pool = HostPool(SLAB, pool_slabs)
         memory = CPUTier(pool, cpu_slabs * pool.slab_bytes)
         disk = DictTier("disk", lower_props)
-        remote = DictTier("remote", TierProperties(persistent=True, shared=True))
+        remote = DictTier("remote", TierProperties(shared=True))
         manager = StorageManager(memory, [disk, remote], call_timeout_s=timeout_s)
         await manager.start()
         try:
@@ -121,7 +121,7 @@ def test_put_writes_through_in_the_background() -> None:
 
 
 def test_write_back_tier_gets_only_evicted_chunks() -> None:
-    props = TierProperties(persistent=True, shared=False, write_policy="write_back")
+    props = TierProperties(shared=False, write_policy="write_back")
 
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         items = chunks(6)
@@ -136,7 +136,7 @@ def test_write_back_tier_gets_only_evicted_chunks() -> None:
 
 
 def test_full_queue_drops_and_counts_instead_of_blocking() -> None:
-    props = TierProperties(persistent=True, shared=False, queue_depth=2)
+    props = TierProperties(shared=False, queue_depth=2)
 
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         disk.hang = True
@@ -236,7 +236,7 @@ def test_lookup_now_answers_only_from_in_memory_indexes() -> None:
 @pytest.mark.parametrize("write_back", [False, True])
 def test_evict_listeners_see_every_evicted_key_in_order(write_back: bool) -> None:
     policy = "write_back" if write_back else "write_through"
-    props = TierProperties(persistent=True, shared=False, write_policy=policy)
+    props = TierProperties(shared=False, write_policy=policy)
 
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         seen: list[ChunkKey] = []
@@ -259,7 +259,7 @@ def test_evict_listeners_see_every_evicted_key_in_order(write_back: bool) -> Non
 
 
 def test_a_raising_evict_listener_never_breaks_eviction(caplog: pytest.LogCaptureFixture) -> None:
-    props = TierProperties(persistent=True, shared=False, write_policy="write_back")
+    props = TierProperties(shared=False, write_policy="write_back")
 
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         seen: list[ChunkKey] = []
@@ -270,7 +270,7 @@ def test_a_raising_evict_listener_never_breaks_eviction(caplog: pytest.LogCaptur
         manager.add_evict_listener(broken)
         manager.add_evict_listener(seen.append)
         items = chunks(6)
-        with caplog.at_level(logging.ERROR, logger="lmtier.storage_manager"):
+        with caplog.at_level(logging.ERROR, logger="lmtier.storage.manager"):
             await put_all(manager, items)
         keys = [k for k, _ in items]
         assert seen == keys[:2]

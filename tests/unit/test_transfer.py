@@ -13,13 +13,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmtier.chunk_format import decode
-from lmtier.keys import ChunkKey
+from lmtier.chunks.format import decode
+from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor, encode_kv_into
-from lmtier.memory import HostPool
-from lmtier_connector import transfer
-from lmtier_connector.paged_kv import PagedKVCache
-from lmtier_connector.transfer import (
+from lmtier.storage.memory import HostPool
+from lmtier_connector.device import transfer
+from lmtier_connector.device.paged_kv import PagedKVCache
+from lmtier_connector.device.transfer import (
     TransferEngine,
     gather,
     load_chunk_from_slab,

@@ -13,14 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmtier.errors import ConfigError
-from lmtier.keys import ExtraKeys, MultimodalSpan, Namespace, chunk_keys, make_hasher
-from lmtier.vllm_hash import (
+from lmtier.chunks.hashers import chunk_keys, make_hasher
+from lmtier.chunks.keys import ExtraKeys, MultimodalSpan, Namespace
+from lmtier.chunks.vllm_hash import (
     VllmChunkHasher,
     bind_block_hash,
     none_hash,
     vllm_block_hashes,
 )
+from lmtier.errors import ConfigError
 
 BLOCK = 16
 

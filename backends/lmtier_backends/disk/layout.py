@@ -1,0 +1,186 @@
+"""The disk tier's directory: its layout, its permissions, and what opening it does.
+
+Layout::
+
+    <path>/v1/<c[:2]>/<n><c>.lmtc   n, c = the key's namespace and chain halves, 32 hex
+                                    digits each; 256 shards by chain, so one namespace
+                                    spreads evenly and ``rm v1/*/<n>*`` drops it
+    <path>/v1/tmp/                  temp files of writes in flight
+    <path>/v1/ledger                bytes of chunk files, shared by every process
+                                    (:mod:`lmtier_backends.disk.ledger`)
+
+Permissions: chunk files get the tier's ``file_mode`` (default 0600) and the
+directories under ``v1`` the matching search bits (0700), whatever the umask, and
+directories an older install made wider are narrowed at open: cached KV can reveal
+prompts, so other local users must not read it unless the deployment says so.
+
+Opening (:func:`prepare`, blocking) creates the directories, proves that a file can be
+created (a read-only or foreign directory is a ConfigError at open, naming
+``disk.path``, rather than an error per write), deletes crash debris, lists the chunk
+files and sets the shared ledger from them. Several processes may share one
+directory, so the scan tolerates files that vanish under it, and deletes only the
+temp files no live process may still be writing.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+
+from lmtier.chunks.keys import ChunkKey
+from lmtier_backends.disk.io import probe_write
+from lmtier_backends.disk.ledger import LEDGER_NAME, Ledger
+
+__all__ = [
+    "CHUNK_SUFFIX",
+    "ScanResult",
+    "dir_mode",
+    "explain_open_error",
+    "make_chunk_dirs",
+    "prepare",
+    "scan_chunk_dir",
+    "temp_name",
+]
+
+CHUNK_SUFFIX = ".lmtc"
+_CHUNK_NAME = re.compile(r"[0-9a-f]{64}\.lmtc")
+_SHARD_NAMES = tuple(f"{i:02x}" for i in range(256))
+TEMP_MAX_AGE_S = 3600.0
+"""A temp file older than this is debris even if the process that named it still runs."""
+_temp_ids = itertools.count()  # per process, shared by every tier: names never collide
+
+
+def temp_name(key: ChunkKey) -> str:
+    """A fresh temp file name for a write of ``key``: ``<key>.<pid>.<n>.tmp``.
+
+    The pid keeps processes sharing a directory apart (O_EXCL would refuse a clash),
+    and tells another process's start-up scan whether the write may still be running.
+    """
+    return f"{key.hex()}.{os.getpid()}.{next(_temp_ids)}.tmp"
+
+
+def _maybe_in_flight(entry: os.DirEntry[str], now: float) -> bool:
+    """Whether temp file ``entry`` may be a write still in flight: named by
+    :func:`temp_name` in a process that still runs, and under ``TEMP_MAX_AGE_S`` old."""
+    parts = entry.name.split(".")
+    if len(parts) != 4 or not parts[1].isdigit() or int(parts[1]) <= 0:
+        return False
+    try:
+        os.kill(int(parts[1]), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    except (OverflowError, OSError):
+        return False
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime < TEMP_MAX_AGE_S
+    except FileNotFoundError:
+        return True  # renamed into place (or removed) meanwhile: not ours to touch
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What a start-up scan found: chunk files, oldest first, and what it left alone."""
+
+    entries: list[tuple[ChunkKey, int]] = field(default_factory=list)
+    """(key, file size), ordered by mtime, oldest first."""
+    foreign: list[str] = field(default_factory=list)
+    """Paths of entries that are not ours: left in place, never indexed."""
+    removed_temps: int = 0
+    total: int = 0
+    """Bytes of the chunk files found."""
+
+
+def make_chunk_dirs(root: str, mode: int) -> None:
+    """Create ``root`` with its shard and tmp directories, each with exactly ``mode``
+    (the umask cannot widen or narrow it; existing ones are changed too). Blocking."""
+    for path in (root, os.path.join(root, "tmp"), *(os.path.join(root, s) for s in _SHARD_NAMES)):
+        os.makedirs(path, mode=mode, exist_ok=True)
+        if stat.S_IMODE(os.stat(path).st_mode) != mode:
+            os.chmod(path, mode)
+
+
+def scan_chunk_dir(root: str) -> ScanResult:
+    """Delete temp files of ``root``, list its chunk files and their total size.
+
+    Blocking; run it in a worker thread, after :func:`make_chunk_dirs`. Temp files are
+    debris of writes that never reached ``os.replace`` (a crash): no reader can see
+    them, so they go, except those another live process may still be writing
+    (:func:`temp_name`). Files that vanish during the scan (another process evicting)
+    are skipped.
+    """
+    result = ScanResult()
+    tmp_dir = os.path.join(root, "tmp")
+    now = time.time()
+    with os.scandir(tmp_dir) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                result.foreign.append(entry.path)
+            elif not _maybe_in_flight(entry, now):
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue  # renamed into place, or another process's scan took it
+                result.removed_temps += 1
+    known = {*_SHARD_NAMES, "tmp", LEDGER_NAME}
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.name not in known:
+                result.foreign.append(entry.path)
+    found: list[tuple[int, ChunkKey, int]] = []
+    sizes: dict[int, int] = {}  # share one int object per distinct size: chunks mostly agree
+    for shard in _SHARD_NAMES:
+        with os.scandir(os.path.join(root, shard)) as entries:
+            for entry in entries:
+                name = entry.name
+                if (
+                    name[32:34] == shard
+                    and _CHUNK_NAME.fullmatch(name)
+                    and entry.is_file(follow_symlinks=False)
+                ):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # evicted by another process sharing the directory
+                    size = sizes.setdefault(st.st_size, st.st_size)
+                    found.append((st.st_mtime_ns, ChunkKey(bytes.fromhex(name[:64])), size))
+                else:
+                    result.foreign.append(entry.path)
+    found.sort(key=lambda item: item[0])
+    result.entries = [(key, size) for _, key, size in found]
+    result.total = sum(size for _, _, size in found)
+    return result
+
+
+def dir_mode(file_mode: int) -> int:
+    """Directory permissions matching file permissions: rw- -> rwx (search bit)."""
+    return file_mode | ((file_mode & 0o444) >> 2)
+
+
+def prepare(root: str, file_mode: int, ledger: Ledger) -> ScanResult:
+    """Blocking start-up of the directory ``root`` (module docstring)."""
+    make_chunk_dirs(root, dir_mode(file_mode))
+    probe_write(os.path.join(root, "tmp"), file_mode)
+    scan = scan_chunk_dir(root)
+    ledger.open(file_mode)
+    ledger.reset(scan.total)
+    return scan
+
+
+def explain_open_error(path: str, exc: OSError) -> str:
+    """One line that says why ``disk.path`` cannot hold chunks and what to change."""
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        problem = "is not a directory (a file is in the way)"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        problem = "is not writable by this user (or its chunk directories are not ours)"
+    elif exc.errno == errno.EROFS:
+        problem = "is on a read-only filesystem"
+    else:
+        problem = f"cannot hold chunks: {exc.strerror or exc}"
+    return f"disk.path {path!r} {problem}; choose another disk.path, or set disk.enabled: false"

@@ -1,0 +1,471 @@
+"""The local-disk tier: one file per chunk, holding the chunk format's bytes unchanged.
+
+Layout, permissions and start-up: :mod:`lmtier_backends.disk.layout`.
+
+Atomicity: a write goes to a temp file in ``tmp/`` (same filesystem), is fdatasynced
+when ``fsync`` is on, then ``os.replace``-d into place. A reader opens either the old
+file or the new one, never a partial file; a crash leaves at most temp files, deleted
+at the next open, or loses the newest renames (the shard directory is not fsynced:
+for a cache that is a miss, and it would cost ~15% of write throughput).
+
+Index: in memory, key -> file size in LRU order (:mod:`lmtier_backends.disk.index`).
+It is rebuilt at open from directory listings only: file names are the keys, ``stat``
+gives size and mtime. No header is read at start-up because none is needed: every
+read is validated anyway (``Tier.get_into``), so a corrupt file is found, counted and
+deleted the first time it is asked for, and start-up stays a listing of names. Files
+are ordered by mtime, and every hit bumps the mtime (``os.utime`` on the open fd, in
+the same worker hop as the read), so LRU order survives a restart.
+
+Sharing a directory (a vLLM scheduler and its workers, two engines, a warm-up job):
+files other processes write after our open are found on demand. A lookup walks the
+index to the first key it lacks, ``lstat``-s that key's file (~2 us) and, if it
+exists, adopts it (indexed as most recently used, its size counted against capacity)
+and walks on: one stat per lookup when nothing is new, plus one per new file, found
+once. Reads and deletes try keys not indexed too, adopting the files they find.
+Lookups on any thread (``contains_now``) adopt as well, since a scheduler process
+only looks up and would otherwise re-stat the workers' files on every lookup; so index
+changes take a lock (uncontended, ~0.1 us), and adopting never evicts (unlinking off
+the loop would race its writes): the next put's reservation evicts down to capacity.
+Capacity holds for the directory, not per process: every write is counted in the
+shared ledger, and a writer that finds the directory over capacity evicts its own
+least recently used files (adopting the others' by a rate-limited rescan when its
+own do not suffice). Give every process sharing a directory the same
+``capacity_bytes``; the overshoot is bounded by the writes in flight at once (see
+the ledger). Temp files carry their writer's pid, so an opening process deletes
+only those of dead writers (or an hour old).
+
+Eviction: capacity counts file sizes on disk. Before a write starts, least recently
+used files are evicted (and unlinked) until it fits; a chunk larger than the whole
+capacity is refused and counted as an error.
+
+O_DIRECT (``o_direct=True``): probed once at open by writing a page; a filesystem
+that refuses it (EINVAL on tmpfs) falls back to buffered I/O with one warning. Files
+keep the chunk's exact bytes, unpadded: the 4096-multiple body moves with O_DIRECT
+and a tail of under 4096 bytes through the page cache, so sizes returned by reads
+are exact and the same file reads the same with or without O_DIRECT. Unaligned
+sources go through a per-thread page-aligned bounce buffer; unaligned read buffers
+get a buffered read for that call (:mod:`lmtier_backends.disk.io`).
+
+Failures: any OSError is a miss (reads) or a chunk not stored (writes), counted in
+``stats.errors`` and logged at WARNING once per errno, never raised; a failed write
+removes its temp file and is not indexed. A file deleted behind our back is a miss
+and leaves the index. Something that can never be served in place of a chunk file
+(a directory, FIFO, socket or symlink, a file we may not read, a file larger than a
+slab) is :data:`~lmtier.storage.tier.UNSERVABLE`: deleted where we can, counted, and not
+adopted again for ``UNSERVABLE_MEMORY_S``, so lookups stop finding it. Files are
+opened with ``O_NOFOLLOW | O_NONBLOCK`` (:mod:`lmtier_backends.disk.io`): a FIFO
+cannot block a thread. Only using a tier that is not open raises
+(BackendUnavailable); a ``path`` that is a file, read-only or not ours is a
+ConfigError at open.
+
+All file I/O runs in one thread pool of ``io_threads``; each job does a whole
+open/read-or-write/close in one hop (measured faster than aiofiles, which pays one
+executor hop per call: see benchmarks/bench_disk.py). Jobs are awaited through
+:func:`lmtier.storage.blocking.run_blocking`, so a cancelled call returns only once its
+threads are done with its buffers, and ``close()`` returns within
+``CLOSE_TIMEOUT_S`` even if a thread is stuck in the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from lmtier.chunks.keys import ChunkKey
+from lmtier.config import DiskTierConfig
+from lmtier.errors import BackendUnavailable, ConfigError
+from lmtier.storage.blocking import finish, run_blocking, shutdown_pool
+from lmtier.storage.failures import FailureLog
+from lmtier.storage.stats import TierStats
+from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties, WritePolicy
+from lmtier_backends.disk.index import DiskIndex, RecentKeys, admit
+from lmtier_backends.disk.io import (
+    file_signature,
+    probe_direct,
+    read_file,
+    unlink_all,
+    unservable_error,
+    write_file,
+)
+from lmtier_backends.disk.layout import (
+    CHUNK_SUFFIX,
+    explain_open_error,
+    prepare,
+    scan_chunk_dir,
+    temp_name,
+)
+from lmtier_backends.disk.ledger import Ledger
+
+__all__ = ["CLOSE_TIMEOUT_S", "DiskTier", "open_tier"]
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 2.0
+"""Longest :meth:`DiskTier.close` waits for writes and threads in flight."""
+UNSERVABLE_MEMORY_S = 60.0
+"""How long a key found unservable (and not deletable) is not adopted again."""
+RESCAN_INTERVAL_S = 30.0
+"""Least time between two rescans that adopt other processes' files for eviction."""
+
+
+class DiskTier(Tier):
+    """Chunks as files under ``path``, LRU-evicted beyond ``capacity_bytes``.
+
+    ``await DiskTier.open(path, capacity_bytes, ...)`` (or :func:`open_tier` from a
+    config); the constructor only stores its arguments. See the module docstring.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: bool = True,
+        o_direct: bool = False,
+        io_threads: int = 4,
+        file_mode: int = 0o600,
+        write_policy: WritePolicy = "write_through",
+        queue_depth: int = 256,
+        name: str = "disk",
+    ) -> None:
+        if not 0 <= file_mode <= 0o777 or file_mode & 0o600 != 0o600:
+            raise ValueError(f"file_mode must let the owner read and write, got {file_mode:o}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.name = name
+        self.properties = TierProperties(write_policy=write_policy, queue_depth=queue_depth)
+        self.stats = TierStats()
+        self._failures = FailureLog(name, self.stats)
+        self.root = os.path.join(os.fspath(path), "v1")
+        self._temp_dir = os.path.join(self.root, "tmp")
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self.direct_io = False
+        """Whether O_DIRECT is in use: requested and supported by the filesystem."""
+        self.io_threads = io_threads
+        self.file_mode = file_mode
+        self.foreign_files = 0
+        """Entries under ``path`` found at open that are not ours (left alone)."""
+        self.adopted_files = 0
+        """Chunk files found after open (written by other processes) and indexed."""
+        self._index = DiskIndex(capacity_bytes)
+        self._ledger = Ledger(self.root)
+        self._unservable = RecentKeys(UNSERVABLE_MEMORY_S)
+        self._rescan: asyncio.Task[None] | None = None
+        self._last_rescan = -RESCAN_INTERVAL_S
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._writes: set[asyncio.Task[int]] = set()
+        self._unlinks: dict[ChunkKey, asyncio.Future[list[OSError]]] = {}
+        self._landed_watch: dict[int, set[ChunkKey]] = {}  # per read call in flight
+
+    async def start(self) -> None:
+        """Create the directories, delete crash debris, rebuild the index, start the pool.
+
+        ConfigError if ``path`` cannot hold chunks (a file in the way, read-only, another
+        user's); the message names the path and the setting to change.
+        """
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"lmtier-{self.name}")
+        try:
+            scan = await loop.run_in_executor(
+                pool, prepare, self.root, self.file_mode, self._ledger
+            )
+            if self.o_direct:
+                problem = await loop.run_in_executor(
+                    pool, probe_direct, self._temp_dir, self.file_mode
+                )
+                self.direct_io = problem is None
+                if problem is not None:
+                    logger.warning("%s: no O_DIRECT here (%s); buffered I/O", self.name, problem)
+        except BaseException as exc:
+            pool.shutdown(wait=False)
+            self._ledger.close()
+            if isinstance(exc, OSError):
+                where = os.path.dirname(self.root)
+                raise ConfigError(explain_open_error(where, exc)) from exc
+            raise
+        self._pool = pool
+        self._index.load(scan.entries)
+        self.foreign_files = len(scan.foreign)
+        if scan.foreign:
+            msg = "%s: %d foreign file(s) left alone, not indexed, e.g. %s"
+            logger.warning(msg, self.name, len(scan.foreign), scan.foreign[0])
+        msg = "%s: %d chunk(s) of %d bytes in %s; %d temp file(s) removed"
+        logger.info(
+            msg, self.name, len(self._index), self.used_bytes, self.root, scan.removed_temps
+        )
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of chunk files counted against capacity (including writes in flight)."""
+        return self._index.used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path_of(self, key: ChunkKey) -> str:
+        """The file that holds (or would hold) chunk ``key``."""
+        name = key.hex()
+        return f"{self.root}/{name[32:34]}/{name}{CHUNK_SUFFIX}"
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        return self.contains_now(keys)
+
+    def contains_now(self, keys: Sequence[ChunkKey]) -> int:
+        # Any thread may ask: membership tests are atomic under the GIL, and adopting
+        # takes the index's lock. Where the index stops, one stat looks for a file
+        # another process wrote (module docstring). Latencies are recorded by the
+        # StorageManager, which wraps every tier call.
+        self.stats.lookups += len(keys)
+        if self._pool is None:
+            return 0
+        found = self._index.leading(keys)
+        while found < len(keys) and self._discover(keys[found]):
+            found = self._index.leading(keys, found + 1)
+        return found
+
+    def _discover(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s file exists (one ``lstat``); if so it is indexed (adopted
+        unless it was already). Never raises: an OSError is a miss, counted."""
+        try:
+            found = file_signature(self.path_of(key))
+        except OSError as exc:
+            self._count_error("stat", exc)
+            return False
+        if found is None or key in self._unlinks or key in self._unservable:
+            return False
+        if self._index.adopt(key, found[0]):
+            self.adopted_files += 1
+        return True
+
+    async def _read_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        pool = self._require_pool()
+        sizes: list[int | None] = [None] * len(keys)
+        # Keys not indexed are read too: another process may have written them.
+        known = [key in self._index for key in keys]
+        calls = [
+            (read_file, (self.path_of(key), buffer.cast("B"), self.direct_io))
+            for key, buffer in zip(keys, buffers, strict=True)
+        ]
+        # Keys whose new file lands while we read: an ENOENT seen before it landed
+        # must not drop the new entry from the index.
+        landed: set[ChunkKey] = set()
+        self._landed_watch[id(landed)] = landed
+        try:
+            outcomes = await run_blocking(pool, calls)
+        finally:
+            del self._landed_watch[id(landed)]
+        bug: BaseException | None = None
+        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
+            if isinstance(outcome, FileNotFoundError):  # deleted behind our back, or absent
+                if known[i] and key not in landed:
+                    self._index.remove(key)
+            elif isinstance(outcome, OSError):
+                self._count_error("read", outcome)
+                if unservable_error(outcome):
+                    sizes[i] = UNSERVABLE
+                    self._unservable.add(key)
+            elif isinstance(outcome, BaseException):
+                bug = bug or outcome
+            elif outcome == UNSERVABLE:
+                sizes[i] = UNSERVABLE
+                self._unservable.add(key)
+            else:
+                sizes[i] = outcome
+                if not known[i] and key not in self._unlinks and self._index.adopt(key, outcome):
+                    self.adopted_files += 1
+                else:
+                    self._index.touch(key)
+        if bug is not None:
+            raise bug
+        return sizes
+
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
+        waiting, too_large, dropped = admit(items, self.capacity_bytes)
+        self.stats.evictions += dropped  # older chunks of a batch larger than capacity
+        if too_large:
+            self.stats.errors += len(too_large)
+            msg = "%d-byte chunk exceeds capacity %d; refused"
+            self._failures.warn_once("too-large", msg, too_large[0], self.capacity_bytes)
+        stored = 0
+        while waiting:
+            pool = self._require_pool()
+            done, victims = self._index.reserve_prefix([(k, len(v)) for k, v in waiting])
+            self.stats.evictions += len(victims)
+            writes, waiting = waiting[:done], waiting[done:]
+            if not writes:
+                # In-flight writes hold the room we need; they always finish, and what
+                # they leave becomes evictable. Back-pressure, not a drop: dropping is
+                # the StorageManager's decision (its queues), not the tier's.
+                if not self._writes:
+                    raise RuntimeError("bug: no room for a put, yet no write in flight")
+                await asyncio.wait(self._writes, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            # If the caller is cancelled, the writes still land (or fail) and are
+            # indexed (or released), and this call returns only after them: its
+            # buffers are in use until then (the tier contract). close() waits too.
+            task = asyncio.ensure_future(self._write(pool, writes, victims))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+            stored += await finish(task)
+        return stored
+
+    async def _write(
+        self,
+        pool: ThreadPoolExecutor,
+        writes: list[tuple[ChunkKey, memoryview]],
+        victims: list[tuple[ChunkKey, int]],
+    ) -> int:
+        if victims:  # unlinked before any write starts, so disk usage stays within capacity
+            await self._unlink(pool, [key for key, _ in victims])
+        # A file of the same key still being unlinked (evicted or deleted by another
+        # call) must be gone before our rename, or the unlink would take the new file.
+        pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
+        if pending:
+            await asyncio.wait(pending.values())
+        write = functools.partial(
+            write_file,
+            direct=self.direct_io,
+            sync=self.fsync,
+            mode=self.file_mode,
+            ledger=self._ledger,
+        )
+        calls = [
+            (write, (self.path_of(key), f"{self._temp_dir}/{temp_name(key)}", view))
+            for key, view in writes
+        ]
+        outcomes = await run_blocking(pool, calls)
+        stored = 0
+        shared_total = -1
+        bug: BaseException | None = None
+        for (key, view), outcome in zip(writes, outcomes, strict=True):
+            if isinstance(outcome, int):
+                self._index.commit(key, len(view))
+                self._unservable.discard(key)
+                for watch in self._landed_watch.values():
+                    watch.add(key)
+                stored += 1
+                self.stats.bytes_written += len(view)
+                shared_total = max(shared_total, outcome)
+                continue
+            self._index.abort(key, len(view))
+            if isinstance(outcome, OSError):
+                self._count_error("write", outcome)
+            else:
+                bug = bug or outcome
+        self.stats.puts += stored
+        if shared_total > self.capacity_bytes:
+            await self._shrink(pool, shared_total - self.capacity_bytes, {k for k, _ in writes})
+        if bug is not None:
+            raise bug
+        return stored
+
+    async def _shrink(self, pool: ThreadPoolExecutor, excess: int, written: set[ChunkKey]) -> None:
+        """The directory holds ``excess`` bytes beyond capacity (other processes wrote
+        too): evict our least recently used files, never the ones just ``written``; if
+        they are not enough, rescan the directory to adopt the others' (rate-limited),
+        for the next write to evict."""
+        victims = self._index.evict_excess(excess, keep=written)
+        self.stats.evictions += len(victims)
+        if victims:
+            await self._unlink(pool, [key for key, _ in victims])
+        covered = sum(size for _, size in victims)
+        now = time.monotonic()
+        if (
+            covered < excess
+            and self._rescan is None
+            and now - self._last_rescan > RESCAN_INTERVAL_S
+        ):
+            self._last_rescan = now
+            self._rescan = asyncio.ensure_future(self._adopt_directory(pool))
+
+    async def _adopt_directory(self, pool: ThreadPoolExecutor) -> None:
+        try:
+            scan = await asyncio.get_running_loop().run_in_executor(pool, scan_chunk_dir, self.root)
+            adopted = self._index.adopt_oldest(
+                (key, size) for key, size in scan.entries if key not in self._unlinks
+            )
+            self.adopted_files += adopted
+            logger.info("%s: over capacity; adopted %d other processes' files", self.name, adopted)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: the pool shut down meanwhile
+            self._count_error("rescan", exc if isinstance(exc, OSError) else OSError(str(exc)))
+        finally:
+            self._rescan = None
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        # A write of the same key already in flight may land before or after the
+        # unlink; if before, the index keeps an entry without a file, which the next
+        # read drops (a miss, never wrong bytes). Files other processes wrote go too.
+        pool = self._require_pool()
+        removed = [
+            key
+            for key in dict.fromkeys(keys)
+            if (key in self._index or self._discover(key)) and self._index.remove(key) is not None
+        ]
+        if removed:
+            await self._unlink(pool, removed)
+        return len(removed)
+
+    async def _unlink(self, pool: ThreadPoolExecutor, keys: list[ChunkKey]) -> None:
+        """Unlink the files of keys already removed from the index, in one worker hop."""
+        future = asyncio.get_running_loop().run_in_executor(
+            pool, unlink_all, [self.path_of(key) for key in keys], self._ledger
+        )
+        for key in keys:
+            self._unlinks[key] = future
+        try:
+            failures = await finish(future)
+        finally:
+            for key in keys:
+                if self._unlinks.get(key) is future:
+                    del self._unlinks[key]
+        for exc in failures:
+            self._count_error("unlink", exc)
+
+    async def close(self) -> None:
+        """Wait for writes in flight, then stop the thread pool, within
+        ``CLOSE_TIMEOUT_S`` whatever the filesystem does. Idempotent."""
+        pool, self._pool = self._pool, None
+        self._closed = True
+        if pool is None:
+            return
+        if self._rescan is not None:
+            self._rescan.cancel()
+        if self._writes:
+            await asyncio.wait(set(self._writes), timeout=CLOSE_TIMEOUT_S)
+        await shutdown_pool(pool, f"{self.name} tier", CLOSE_TIMEOUT_S)
+        self._ledger.close()
+
+    def _require_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            state = "closed" if self._closed else "not open (use DiskTier.open)"
+            raise BackendUnavailable(f"disk tier {self.name!r} at {self.root} is {state}")
+        return self._pool
+
+    def _count_error(self, op: str, exc: OSError) -> None:
+        self._failures.record(op, exc, exc.errno)
+
+
+async def open_tier(config: DiskTierConfig) -> DiskTier:
+    """Entry point ``lmtier.backends: disk``: open the disk tier ``config`` describes."""
+    return await DiskTier.open(
+        config.path,
+        config.capacity_bytes,
+        fsync=config.fsync,
+        o_direct=config.o_direct,
+        io_threads=config.io_threads,
+        file_mode=int(config.file_mode, 8),
+        write_policy=config.write_policy,
+        queue_depth=config.queue_depth,
+    )

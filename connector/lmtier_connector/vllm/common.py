@@ -1,0 +1,186 @@
+"""What the two halves of the vLLM connector share: metadata records, keys, settings.
+
+The scheduler half decides *what* moves (chunk ranges, token ranges, block ids) and
+hands it to every worker in :class:`LMTierConnectorMetadata`; the workers only move
+bytes. Keys are not sent: a worker's namespace differs per tensor-parallel rank, so
+each worker binds the chunk references (:class:`ChunkRefs`) to its own namespace
+(:func:`chunk_keys`), then uses the facade's key-level methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lmtier.api import LMTier
+from lmtier.chunks.keys import ChunkKey
+from lmtier.chunks.vllm_hash import bind_block_hash
+from lmtier.errors import ConfigError
+
+__all__ = [
+    "ChunkRefs",
+    "ConnectorSettings",
+    "LMTierConnectorMetadata",
+    "LMTierKVEvents",
+    "LoadSpec",
+    "SaveSpec",
+    "chunk_keys",
+    "stored_chunk_event",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's own options from ``kv_connector_extra_config``.
+
+    ``config_path``: an lmtier YAML file; ``config``: overrides of it (nested or
+    dotted keys, as :func:`lmtier.config.load_config` takes them).
+    ``vllm_block_hashes``: key chunks by vLLM's own block hashes (lookups then agree
+    with vLLM's prefix cache and KV events); False: lmtier's xxh3 chain over tokens.
+    ``save_decode_tokens``: also store chunks completed by generated tokens.
+    """
+
+    config_path: str | None = None
+    config: Mapping[str, Any] = field(default_factory=dict)
+    vllm_block_hashes: bool = True
+    save_decode_tokens: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys {unknown} for LMTierConnector; "
+                f"known: {sorted(known)}"
+            )
+        overrides = extra.get("config", {})
+        if not isinstance(overrides, Mapping):
+            raise ConfigError("kv_connector_extra_config.config must be a mapping")
+        path = extra.get("config_path")
+        return cls(
+            config_path=str(path) if path is not None else None,
+            config=dict(overrides),
+            vllm_block_hashes=bool(extra.get("vllm_block_hashes", True)),
+            save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRefs:
+    """Enough to key chunks ``first_chunk .. first_chunk + num_chunks - 1`` of a request.
+
+    In the vLLM-hash mode ``boundary_hashes`` holds vLLM's hash of the last block of
+    each of those chunks; otherwise ``token_ids`` holds the request's tokens from 0 to
+    the end of the last chunk (lmtier's chain starts at the first token).
+    """
+
+    cache_salt: str
+    first_chunk: int
+    num_chunks: int
+    boundary_hashes: tuple[bytes, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load tokens ``[start_token, end_token)`` of a request into its blocks.
+
+    ``end_token`` is a chunk boundary, ``start_token`` a block boundary (it may fall
+    inside the first chunk: vLLM's own prefix cache already holds the tokens before
+    it, and those blocks are never written). ``block_ids`` is the request's block
+    table from token 0.
+    """
+
+    req_id: str
+    refs: ChunkRefs
+    start_token: int
+    end_token: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the chunks of ``refs`` from the request's blocks (table from token 0).
+
+    ``stored_event`` describes all of those chunks (the scheduler alone knows their
+    tokens); a worker announces the chunks it has stored with per-chunk slices of it
+    (:func:`stored_chunk_event`), once they are in its tiers.
+    """
+
+    req_id: str
+    refs: ChunkRefs
+    block_ids: tuple[int, ...]
+    stored_event: BlockStored | None = None
+
+
+@dataclass(slots=True)
+class LMTierConnectorMetadata(KVConnectorMetadata):
+    """One step's work for every worker: loads before the forward pass, saves during it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted_req_ids: frozenset[str] = frozenset()
+
+
+def stored_chunk_event(event: BlockStored, num_chunks: int, index: int) -> BlockStored:
+    """The part of ``event`` (covering ``num_chunks`` chunks) that covers chunk ``index``."""
+    per = len(event.block_hashes) // num_chunks
+    tokens = len(event.token_ids) // num_chunks
+    first = index * per
+    parent = event.block_hashes[first - 1] if first else event.parent_block_hash
+    return BlockStored(
+        block_hashes=list(event.block_hashes[first : first + per]),
+        parent_block_hash=parent,
+        token_ids=list(event.token_ids[index * tokens : (index + 1) * tokens]),
+        block_size=event.block_size,
+        lora_id=event.lora_id,
+        medium=event.medium,
+        lora_name=event.lora_name,
+    )
+
+
+class LMTierKVEvents(KVConnectorKVEvents):
+    """The KV events of one step's worker outputs (vLLM merges those of every worker
+    into the first one's). Counting across workers and steps is the scheduler's job:
+    ``aggregate`` keeps everything."""
+
+    def __init__(self, events: list[KVCacheEvent] | None = None, num_workers: int = 1) -> None:
+        self._events: list[KVCacheEvent] = list(events or [])
+        self._num_workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> LMTierKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._num_workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._num_workers
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+    def __repr__(self) -> str:
+        return f"LMTierKVEvents({len(self._events)} events, {self._num_workers} workers)"
+
+
+def chunk_keys(cache: LMTier, refs: ChunkRefs) -> list[ChunkKey]:
+    """The storage keys of ``refs`` in ``cache``'s namespace (its TP rank included)."""
+    namespace = cache.namespace(refs.cache_salt)
+    if refs.boundary_hashes:
+        return [bind_block_hash(namespace, h) for h in refs.boundary_hashes]
+    if not refs.token_ids:
+        return []
+    keys = cache.keys(list(refs.token_ids), cache_salt=refs.cache_salt)
+    return keys[refs.first_chunk : refs.first_chunk + refs.num_chunks]

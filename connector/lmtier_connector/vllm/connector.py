@@ -1,0 +1,274 @@
+"""lmtier as a vLLM (>= 0.33) KV connector: ``LMTierConnector``.
+
+::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "LMTierConnector",
+        "kv_connector_module_path": "lmtier_connector.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config_path": "/etc/lmtier.yaml"}}'
+
+vLLM builds one connector per role: a SCHEDULER one in the engine core (lookups and
+plans, :mod:`lmtier_connector.vllm.scheduler`) and a WORKER one per GPU worker
+(loads and saves, :mod:`lmtier_connector.vllm.worker`), possibly in other processes.
+Each owns its own :class:`~lmtier.api.LMTier`, so what the scheduler finds must be
+reachable by the workers: a shared tier (disk, Redis, S3), or one process.
+
+Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
+``config_path`` (an lmtier YAML file, else ``$LMTIER_CONFIG``), ``config``
+(overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``.
+
+Tensor parallelism: each rank stores its own shard under a namespace naming its
+rank. MLA caches one latent per token, the same on every rank: only rank 0 saves,
+every rank loads, and the namespace says tp 1 / rank 0. The scheduler looks up
+rank 0's namespace; a rank missing its shard reports a load error (recomputed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+
+from lmtier.api import LMTier
+from lmtier.config import LMTierConfig, load_config
+from lmtier.errors import ConfigError
+from lmtier.kv_spec import KVSpec
+from lmtier_connector.vllm.common import ConnectorSettings, LMTierConnectorMetadata
+from lmtier_connector.vllm.scheduler import SchedulerHalf
+from lmtier_connector.vllm.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["LMTierConnector", "kv_spec_of", "lmtier_config_of", "tp_rank_of"]
+
+logger = logging.getLogger(__name__)
+
+
+def kv_spec_of(vllm_config: VllmConfig) -> KVSpec:
+    """The KV geometry of one worker: its layers, its share of the KV heads, its dtype."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    dtype = get_kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
+    name = str(dtype).removeprefix("torch.")
+    layers = model.get_num_layers(parallel)
+    if model.use_mla:
+        return KVSpec(layers, 1, model.get_head_size(), name, layout="LTD")
+    return KVSpec(layers, model.get_num_kv_heads(parallel), model.get_head_size(), name)
+
+
+def lmtier_config_of(settings: ConnectorSettings) -> LMTierConfig:
+    """The lmtier config: file (or ``$LMTIER_CONFIG``) < ``LMTIER_*`` < extra config."""
+    return load_config(settings.config_path, overrides=settings.config or None)
+
+
+def tp_rank_of(vllm_config: VllmConfig) -> int:
+    """This process's tensor-parallel rank (0 where no TP group exists: the scheduler,
+    single-process setups and tests)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # the scheduler process has no TP group
+        return 0
+
+
+_CacheKey = tuple[str, KVSpec, str, str, int, int]
+_caches: dict[_CacheKey, tuple[LMTier, int]] = {}
+_caches_lock = threading.Lock()
+
+
+def _acquire_cache(key: _CacheKey, config: LMTierConfig) -> LMTier:
+    """One started LMTier per (config, geometry, model, rank) in this process.
+
+    When vLLM runs the scheduler and the worker in one process (its in-process
+    executor, tests), both halves share one cache, CPU tier included; in separate
+    processes each half opens its own and they meet in the shared tiers.
+    """
+    with _caches_lock:
+        found = _caches.get(key)
+        if found is not None:
+            _caches[key] = (found[0], found[1] + 1)
+            return found[0]
+        _, spec, model_id, revision, tp_size, tp_rank = key
+        cache = LMTier(
+            config,
+            spec,
+            model_id=model_id,
+            model_revision=revision,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+        # Opened here, not lazily: a misconfigured tier should fail at startup.
+        cache.start()
+        _caches[key] = (cache, 1)
+        return cache
+
+
+def _release_cache(key: _CacheKey) -> None:
+    with _caches_lock:
+        found = _caches.pop(key, None)
+        if found is None:
+            return
+        cache, count = found
+        if count > 1:
+            _caches[key] = (cache, count - 1)
+            return
+    cache.close()
+
+
+class LMTierConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by lmtier's tiers. See the module docstring."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        settings = ConnectorSettings.from_extra_config(extra)
+        config = lmtier_config_of(settings)
+        block_size = vllm_config.cache_config.block_size
+        if config.chunk_size % block_size:
+            raise ConfigError(
+                f"lmtier chunk_size {config.chunk_size} must be a multiple of vLLM's "
+                f"block size {block_size}"
+            )
+        spec = kv_spec_of(vllm_config)
+        mla = spec.layout == "LTD"
+        tp_size = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
+        rank = tp_rank_of(vllm_config) if role == KVConnectorRole.WORKER else 0
+        model = vllm_config.model_config
+        self._cache_key = (
+            repr(config.to_dict(redact=False)),
+            spec,
+            config.model_id or model.model,
+            config.model_revision or (model.revision or ""),
+            tp_size,
+            0 if mla else rank,
+        )
+        cache = _acquire_cache(self._cache_key, config)
+        self._cache = cache
+        self._closed = False
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            savers = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
+            self._scheduler = SchedulerHalf(cache, settings, block_size, num_savers=savers)
+        else:
+            self._worker = WorkerHalf(cache, block_size, saves=not mla or rank == 0)
+
+    # ---- helpers -------------------------------------------------------------------
+
+    @property
+    def lmtier(self) -> LMTier:
+        """This side's cache (for stats and tests)."""
+        return self._cache
+
+    def _sched(self) -> SchedulerHalf:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on a WORKER connector")
+        return self._scheduler
+
+    def _work(self) -> WorkerHalf:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on a SCHEDULER connector")
+        return self._worker
+
+    def _meta(self) -> LMTierConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, LMTierConnectorMetadata):
+            raise TypeError(f"expected LMTierConnectorMetadata, got {type(meta).__name__}")
+        return meta
+
+    # ---- scheduler side ------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Collect the workers' ``BlockStored`` (stored chunks) and ``BlockRemoved`` (chunks
+        their CPU tier evicted) events for take_events."""
+        events = connector_output.kv_cache_events
+        if events is not None:
+            self._sched().add_worker_events(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._sched().take_events()
+
+    # ---- worker side ---------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, LMTierConnectorMetadata):
+            self._work().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work().start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        self._work().save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self._work().finished_saves(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().failed_block_ids()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self._work().take_events()
+
+    def shutdown(self) -> None:
+        """Finish saves in flight, then release this side's cache. Idempotent."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if not self._closed:
+            self._closed = True
+            _release_cache(self._cache_key)

@@ -1,0 +1,272 @@
+"""The scheduler half of the vLLM connector: lookups, load and save plans, KV events.
+
+Lookups are synchronous and side-effect free: keys are bound from vLLM's own block
+hashes (``request.block_hashes``, no rehashing) or from lmtier's chain over the
+tokens, and the tiers answer how many leading chunks they hold. The hit counts from
+vLLM's block-aligned local hit (``num_computed_tokens``): the walk starts at the
+chunk holding it, the result is whole chunks, and it never covers the last prompt
+token (its logits are the point of the prefill).
+
+Saves are planned per step: when a step completes a chunk of the prompt (chunked
+prefill included), the chunk's blocks go to the workers in that step's metadata, so
+the worker gathers them during the same forward pass that writes them. A request
+that ever had a save returns True from :meth:`request_finished`; the workers report
+it through ``get_finished`` once its saves are in the tiers, and only then does vLLM
+free its blocks.
+
+KV events are announced when chunks are *stored*, not when they are planned: each
+save carries the ``BlockStored`` of its chunks, the workers return per-chunk slices
+of it once the chunks are in their tiers (``get_kv_connector_kv_cache_events``),
+vLLM hands them here (:meth:`SchedulerHalf.add_worker_events`), and an event is
+published once every saving rank has reported it (``tp_size`` ranks; one for MLA).
+A chunk announced with medium CPU that a worker's CPU tier evicts comes back the same
+way as a ``BlockRemoved(medium="CPU")``; that one is published at the *first* rank's
+report (a chunk missing one rank's shard cannot be loaded), the other ranks' copies
+of it are absorbed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+
+from lmtier.api import LMTier
+from lmtier_connector.vllm.common import (
+    ChunkRefs,
+    ConnectorSettings,
+    LMTierConnectorMetadata,
+    LoadSpec,
+    SaveSpec,
+    chunk_keys,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerHalf"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_EVENTS = 65536
+"""Chunk events reported by some saving ranks but not all yet; beyond it the oldest
+are dropped (a rank that could not store a chunk never reports it)."""
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the scheduler half tracks per live request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    num_load_tokens: int = 0  # tokens to load in the next step that schedules it
+    next_save_chunk: int = 0  # chunks before it are stored or planned
+
+
+class SchedulerHalf:
+    """Scheduler-side state and logic; :class:`LMTierConnector` delegates to it."""
+
+    def __init__(
+        self,
+        cache: LMTier,
+        settings: ConnectorSettings,
+        block_size: int,
+        *,
+        saves: bool = True,
+        num_savers: int = 1,
+    ) -> None:
+        self.cache = cache
+        self.settings = settings
+        self.block_size = block_size
+        self.chunk_size = cache.chunk_size
+        self.blocks_per_chunk = cache.chunk_size // block_size
+        self.saves = saves
+        self._states: dict[str, _RequestState] = {}
+        self._saving: set[str] = set()
+        self._events: list[KVCacheEvent] = []
+        self._num_savers = num_savers  # workers that store each chunk: tp_size, 1 for MLA
+        self._reported: Counter[KVCacheEvent] = Counter()
+        self._removed: Counter[KVCacheEvent] = Counter()  # published, ranks left to absorb
+        self._medium = MEDIUM_CPU if cache.config.cpu.enabled else MEDIUM_STORAGE
+
+    # ---- keys ----------------------------------------------------------------------
+
+    def _num_keyable_chunks(self, request: Request, num_tokens: int) -> int:
+        """Full chunks among the first ``num_tokens`` tokens that can be keyed now."""
+        chunks = max(0, num_tokens) // self.chunk_size
+        if self.settings.vllm_block_hashes:
+            chunks = min(chunks, len(request.block_hashes) // self.blocks_per_chunk)
+        return chunks
+
+    def refs(self, request: Request, first: int, stop: int) -> ChunkRefs:
+        """References of chunks ``[first, stop)`` of ``request`` for the workers."""
+        salt = request.cache_salt or ""
+        if self.settings.vllm_block_hashes:
+            per = self.blocks_per_chunk
+            hashes = tuple(
+                bytes(request.block_hashes[(j + 1) * per - 1]) for j in range(first, stop)
+            )
+            return ChunkRefs(salt, first, stop - first, boundary_hashes=hashes)
+        tokens = tuple(request.all_token_ids[: stop * self.chunk_size])
+        return ChunkRefs(salt, first, stop - first, token_ids=tokens)
+
+    # ---- lookup --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the tiers can supply (whole chunks,
+        never the last token); loads are synchronous, so the flag is always False."""
+        stop = self._num_keyable_chunks(request, request.num_tokens - 1)
+        first = num_computed_tokens // self.chunk_size
+        if first >= stop:
+            return 0, False
+        keys = chunk_keys(self.cache, self.refs(request, first, stop))
+        found = self.cache.lookup_keys(keys).num_chunks
+        hit_end = (first + found) * self.chunk_size
+        return max(0, hit_end - num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = _RequestState(request)
+        state.num_load_tokens = num_external_tokens
+
+    # ---- per-step plan -------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMTierConnectorMetadata:
+        meta = LMTierConnectorMetadata(
+            preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ())
+        )
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._states.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(state, new.num_computed_tokens, scheduler_output, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            state = self._states.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan(state, cached.num_computed_tokens[index], scheduler_output, meta)
+        for req_id in scheduler_output.finished_req_ids:
+            self._states.pop(req_id, None)
+        return meta
+
+    def _plan(
+        self,
+        state: _RequestState,
+        num_computed: int,
+        scheduler_output: SchedulerOutput,
+        meta: LMTierConnectorMetadata,
+    ) -> None:
+        request, req_id = state.request, state.request.request_id
+        if state.num_load_tokens > 0:
+            end = num_computed
+            start = end - state.num_load_tokens
+            first, stop = start // self.chunk_size, end // self.chunk_size
+            meta.loads.append(
+                LoadSpec(
+                    req_id,
+                    self.refs(request, first, stop),
+                    start,
+                    end,
+                    tuple(state.block_ids[: end // self.block_size]),
+                )
+            )
+            state.next_save_chunk = max(state.next_save_chunk, stop)
+            state.num_load_tokens = 0
+        if not self.saves:
+            return
+        done = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        if not self.settings.save_decode_tokens:
+            done = min(done, request.num_prompt_tokens)
+        stop = self._num_keyable_chunks(request, done)
+        first = state.next_save_chunk
+        if stop <= first:
+            return
+        refs = self.refs(request, first, stop)
+        block_ids = tuple(state.block_ids[: stop * self.blocks_per_chunk])
+        event = self._stored_event(request, refs)
+        meta.saves.append(SaveSpec(req_id, refs, block_ids, event))
+        state.next_save_chunk = stop
+        self._saving.add(req_id)
+
+    def _stored_event(self, request: Request, refs: ChunkRefs) -> BlockStored:
+        """The KV event of chunks to store into our tiers, for the workers to announce:
+        vLLM's block hashes in the vLLM-hash mode, else one entry per chunk (our key,
+        block size = chunk size)."""
+        first, stop = refs.first_chunk, refs.first_chunk + refs.num_chunks
+        tokens = request.all_token_ids[first * self.chunk_size : stop * self.chunk_size]
+        if self.settings.vllm_block_hashes:
+            per = self.blocks_per_chunk
+            hashes: list[Any] = list(request.block_hashes[first * per : stop * per])
+            parent = request.block_hashes[first * per - 1] if first else None
+            size = self.block_size
+        else:
+            keys = chunk_keys(self.cache, refs)
+            hashes = [bytes(key) for key in keys]
+            parent = None
+            size = self.chunk_size
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=list(tokens),
+            block_size=size,
+            lora_id=None,
+            medium=self._medium,
+            lora_name=None,
+        )
+
+    # ---- finishing -----------------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """True while saves planned for the request may still read its blocks."""
+        self._states.pop(request.request_id, None)
+        if request.request_id in self._saving:
+            self._saving.discard(request.request_id)
+            return True
+        return False
+
+    def add_worker_events(self, events: Iterable[KVCacheEvent]) -> None:
+        """Count the per-chunk events workers report: publish a ``BlockStored`` once all
+        savers sent it, a ``BlockRemoved`` when the first one does."""
+        reported, removed = self._reported, self._removed
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                removed[event] += 1
+                if removed[event] == 1:
+                    self._events.append(event)
+                if removed[event] >= self._num_savers:
+                    del removed[event]
+                continue
+            reported[event] += 1
+            if reported[event] >= self._num_savers:
+                del reported[event]
+                self._events.append(event)
+        for counter in (reported, removed):
+            while len(counter) > MAX_PENDING_EVENTS:
+                del counter[next(iter(counter))]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,387 @@
+"""The worker half of the vLLM connector: moves chunks between vLLM's pages and lmtier.
+
+* **Loads** (``start_load_kv``, before the forward pass) read the planned chunks from
+  the tiers into pool slabs and hand them to the transfer engine, which scatters them
+  into the request's blocks layer by layer (on CUDA, on its load stream, one event per
+  layer; ``wait_for_layer_load`` waits on that layer's event only). Blocks before the
+  load's first token belong to vLLM's own prefix cache and are never written. Chunks
+  the tiers cannot serve (a tier down, a corrupt chunk) become block ids for
+  ``get_block_ids_with_load_errors``, so that vLLM recomputes them; never an exception.
+* **Saves** gather each planned chunk straight into the payload region of a pool slab,
+  layer by layer as ``save_kv_layer`` is called (on CUDA, on the save stream: compute
+  never waits). ``wait_for_save`` hands the step's saves to one background thread that
+  waits for the copies, seals the slabs (header and checksum) and gives them to the
+  storage manager; ``get_finished`` reports a finished request once all of its saves
+  are through. Chunks some tier already holds are not saved again.
+* **KV events**: once a step's chunks are stored, that thread queues a ``BlockStored``
+  per chunk (sliced from its :class:`SaveSpec`'s event) for
+  ``get_kv_connector_kv_cache_events``; chunks dropped (no free slab) or failed are
+  never announced. This worker's cache owns the CPU tier its saves land in, so it
+  listens to that tier's evictions (:meth:`lmtier.api.LMTier.add_evict_listener`):
+  a chunk announced with medium CPU that leaves it is announced again as
+  ``BlockRemoved(medium="CPU")`` with the same block hashes, always after its
+  ``BlockStored``. It may still be in a lower tier (disk, Redis, S3): no removal is
+  announced for those. The hashes are kept per announced chunk, at most as many as
+  the CPU tier holds.
+
+The rejected alternative, sealing and storing inside ``wait_for_save``, would put a
+checksum pass over every saved byte on the forward path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import ExternalBlockHash
+
+from lmtier import LoadedChunk, SlabHandle
+from lmtier.api import LMTier
+from lmtier.chunks.format import ChunkMeta
+from lmtier.chunks.keys import ChunkKey
+from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor
+from lmtier_connector.device.paged_kv import PagedKVCache
+from lmtier_connector.device.transfer import LoadHandle, SaveHandle, TransferEngine
+from lmtier_connector.vllm.common import (
+    LMTierConnectorMetadata,
+    LMTierKVEvents,
+    LoadSpec,
+    SaveSpec,
+    chunk_keys,
+    stored_chunk_event,
+)
+
+__all__ = ["WorkerHalf"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slab:
+    """One chunk being saved: its key, slab, header and where its KV event comes from."""
+
+    key: ChunkKey
+    handle: SlabHandle
+    meta: ChunkMeta
+    save: SaveSpec
+    index: int  # the chunk's position in save.refs
+
+
+@dataclass(slots=True)
+class _Announced:
+    """The block hashes of a chunk stored in the CPU tier with a ``BlockStored``."""
+
+    block_hashes: list[ExternalBlockHash]
+    stored: bool = False  # its BlockStored is queued (else the chunk is being put)
+    evicted: bool = False  # evicted while being put: announce the removal after it
+
+
+@dataclass(slots=True)
+class _StepSave:
+    """The saves of one step: slabs being filled by one SaveHandle."""
+
+    handle: SaveHandle
+    slabs: list[_Slab]
+    req_ids: set[str]
+
+
+@dataclass(slots=True)
+class _StepLoad:
+    """The loads of one step: the slabs must outlive the (possibly async) copies."""
+
+    handle: LoadHandle
+    chunks: list[LoadedChunk] = field(default_factory=list)
+
+
+class WorkerHalf:
+    """Worker-side state and logic; :class:`LMTierConnector` delegates to it."""
+
+    def __init__(self, cache: LMTier, block_size: int, *, saves: bool = True) -> None:
+        self.cache = cache
+        self.spec: KVSpec = cache.kv_spec
+        self.block_size = block_size
+        self.saves = saves  # False on MLA ranks other than 0: one copy of the latent
+        self.pages: PagedKVCache | None = None
+        self.engine: TransferEngine | None = None
+        self._kernel_blocks = 1  # kernel blocks per vLLM block (virtual block splitting)
+        self._layer_index: dict[str, int] = {}
+        self._load: _StepLoad | None = None
+        self._save: _StepSave | None = None
+        self._failed_blocks: set[int] = set()
+        self._pending: dict[str, list[Future[None]]] = {}
+        self._saving_reqs: set[str] = set()
+        self._finishing: set[str] = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmtier-save")
+        self._events: list[KVCacheEvent] = []  # appended by the save and loop threads
+        self._events_lock = threading.Lock()  # never held while waiting for the loop
+        # Chunk key -> hashes of its BlockStored, for its BlockRemoved (under the lock).
+        self._announced: OrderedDict[ChunkKey, _Announced] = OrderedDict()
+        self._max_announced = cache.host_memory().cache_capacity_chunks
+        self._listening = saves and self._max_announced > 0
+        if self._listening:
+            cache.add_evict_listener(self._on_evict)
+
+    # ---- registration --------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Wrap vLLM's per-layer views (``[B, H, N, C]``, any strides) without a copy."""
+        names = list(kv_caches)
+        pages = PagedKVCache.from_tensors(self.spec, [kv_caches[n] for n in names])
+        if self.block_size % pages.block_size:
+            raise ValueError(
+                f"vLLM block size {self.block_size} is not a multiple of the KV cache's "
+                f"kernel block size {pages.block_size}"
+            )
+        self._kernel_blocks = self.block_size // pages.block_size
+        self._layer_index = {name: index for index, name in enumerate(names)}
+        self.pages, self.engine = pages, TransferEngine(pages)
+        logger.info("lmtier: registered %d KV layers as %r", len(names), pages)
+
+    def _engine(self) -> TransferEngine:
+        if self.engine is None:
+            raise RuntimeError("register_kv_caches was not called before a transfer")
+        return self.engine
+
+    def _kernel_ids(self, block_ids: Sequence[int], start_token: int, stop_token: int) -> list[int]:
+        """Kernel block ids holding tokens ``[start_token, stop_token)`` (block-aligned
+        start) of a request whose vLLM block table is ``block_ids``."""
+        per, size = self._kernel_blocks, self.block_size // self._kernel_blocks
+        first, stop = start_token // size, -(-stop_token // size)
+        return [block_ids[k // per] * per + k % per for k in range(first, stop)]
+
+    # ---- loads ---------------------------------------------------------------------
+
+    def start_load(self, meta: LMTierConnectorMetadata) -> None:
+        """Read this step's chunks and start scattering them; prepare this step's saves."""
+        self.handle_preemptions(meta)
+        chunks: list[torch.Tensor] = []
+        runs: list[list[int]] = []
+        loaded: list[LoadedChunk] = []
+        for load in meta.loads:
+            loaded.extend(self._read(load, chunks, runs))
+        if chunks:
+            self._load = _StepLoad(self._engine().start_load(chunks, runs), loaded)
+        else:
+            for chunk in loaded:
+                chunk.release()
+        # Every rank tracks which requests save, savers or not: vLLM waits for each
+        # rank to report a finished request before it frees the blocks.
+        self._saving_reqs.update(save.req_id for save in meta.saves)
+        if self.saves and meta.saves:
+            self._begin_saves(meta.saves)
+
+    def _read(
+        self, load: LoadSpec, chunks: list[torch.Tensor], runs: list[list[int]]
+    ) -> list[LoadedChunk]:
+        """Load one request's chunks; queue their token ranges; note unloadable blocks."""
+        size = self.cache.chunk_size
+        try:
+            got = self.cache.load_keys(chunk_keys(self.cache, load.refs)).detach()
+        except Exception:  # a failed load is a recompute, never a failed step
+            logger.exception("lmtier: load of request %s failed", load.req_id)
+            got = []
+        device = self._engine().pages.device
+        for index, chunk in enumerate(got):
+            base = (load.refs.first_chunk + index) * size
+            start = max(base, load.start_token)
+            tensor = chunk_tensor(chunk.chunk).narrow(
+                self.spec.token_axis, start - base, base + size - start
+            )
+            if start != base and device.type == "cuda":
+                # Async loads need pinned, layer-major host chunks; a part of one is neither.
+                staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                tensor = staged.copy_(tensor)
+            chunks.append(tensor)
+            runs.append(self._kernel_ids(load.block_ids, start, base + size))
+        loaded_end = (load.refs.first_chunk + len(got)) * size
+        if loaded_end < load.end_token:
+            failed_from = max(loaded_end, load.start_token)
+            failed = self._kernel_ids(load.block_ids, failed_from, load.end_token)
+            per = self._kernel_blocks
+            self._failed_blocks.update(b // per for b in failed)
+            logger.debug(
+                "lmtier: request %s: tokens %d..%d not loadable, recomputed",
+                load.req_id,
+                failed_from,
+                load.end_token,
+            )
+        return got
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        step = self._load
+        index = self._layer_index.get(layer_name)
+        if step is not None and index is not None:
+            step.handle.wait_layer(index)
+
+    def failed_block_ids(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _finish_load(self) -> None:
+        step, self._load = self._load, None
+        if step is not None:
+            step.handle.synchronize()
+            for chunk in step.chunks:
+                chunk.release()
+
+    # ---- saves ---------------------------------------------------------------------
+
+    def _begin_saves(self, saves: Sequence[SaveSpec]) -> None:
+        wanted: list[tuple[SaveSpec, int, ChunkKey]] = []
+        for save in saves:
+            keys = chunk_keys(self.cache, save.refs)
+            # Stored by an earlier request? Asked of local tiers only: a save never waits
+            # on a remote tier (a chunk only a remote holds is stored again).
+            present = self.cache.lookup_keys(keys, local_only=True).num_chunks
+            wanted.extend((save, index, keys[index]) for index in range(present, len(keys)))
+        if not wanted:
+            return
+        handles = self.cache.acquire_slabs(len(wanted))  # fewer when the pool is busy
+        if not handles:
+            return
+        size = self.cache.chunk_size
+        outs, runs, slabs = [], [], []
+        for (save, index, key), handle in zip(wanted, handles, strict=False):
+            meta = self.spec.meta(key, size)
+            base = (save.refs.first_chunk + index) * size
+            outs.append(payload_tensor(handle, meta))
+            runs.append(self._kernel_ids(save.block_ids, base, base + size))
+            slabs.append(_Slab(key, handle, meta, save, index))
+        saving = self._engine().begin_save(runs, outs)
+        self._save = _StepSave(saving, slabs, {slab.save.req_id for slab in slabs})
+
+    def save_layer(self, layer_name: str) -> None:
+        step = self._save
+        index = self._layer_index.get(layer_name)
+        if step is not None and index is not None and index in step.handle.pending_layers:
+            step.handle.save_layer(index)
+
+    def wait_for_save(self) -> None:
+        """Enqueue what no ``save_kv_layer`` call did, then finish the step's saves in
+        the background thread; release the step's load slabs."""
+        self._finish_load()
+        step, self._save = self._save, None
+        if step is None:
+            return
+        step.handle.save_all()
+        future = self._writer.submit(self._seal_and_store, step)
+        for req_id in step.req_ids:
+            self._pending.setdefault(req_id, []).append(future)
+
+    def _seal_and_store(self, step: _StepSave) -> None:
+        try:
+            step.handle.wait()
+            sealed = [(s.key, s.handle, self.cache.seal_slab(s.handle, s.meta)) for s in step.slabs]
+        except BaseException:
+            for slab in step.slabs:
+                slab.handle.release()
+            raise
+        stored = [
+            (s.key, stored_chunk_event(s.save.stored_event, s.save.refs.num_chunks, s.index))
+            for s in step.slabs
+            if s.save.stored_event is not None
+        ]
+        tracked = [(key, e) for key, e in stored if self._listening and e.medium == MEDIUM_CPU]
+        if tracked:
+            # Tracked before the put: the CPU tier may evict a chunk of this very step.
+            with self._events_lock:
+                for key, event in tracked:
+                    self._track(key, event)
+        try:
+            self.cache.put_encoded(sealed)
+        except BaseException:
+            with self._events_lock:
+                for key, _ in tracked:
+                    entry = self._announced.get(key)
+                    if entry is not None and not entry.stored:
+                        del self._announced[key]
+            raise
+        if stored:
+            with self._events_lock:
+                for key, event in stored:
+                    self._events.append(event)
+                    if event.medium == MEDIUM_CPU and self._listening:
+                        self._announce(key, event)
+                while len(self._announced) > self._max_announced:
+                    self._announced.popitem(last=False)  # a safety net: never reached
+
+    def _track(self, key: ChunkKey, event: BlockStored) -> None:
+        """Note a chunk about to be put (under the events lock)."""
+        if key in self._announced:
+            self._announced.move_to_end(key)
+        else:
+            self._announced[key] = _Announced(list(event.block_hashes))
+
+    def _announce(self, key: ChunkKey, event: BlockStored) -> None:
+        """Its BlockStored was just queued (under the events lock): a chunk evicted
+        during its own put, or never cached (the CPU tier was full of chunks in use), is
+        announced as removed right after."""
+        entry = self._announced.get(key)
+        if entry is None:  # an earlier copy was evicted during the put: this one is new
+            entry = self._announced[key] = _Announced(list(event.block_hashes))
+        if entry.stored:
+            return
+        if entry.evicted or not self.cache.in_memory(key):
+            del self._announced[key]
+            self._events.append(BlockRemoved(block_hashes=entry.block_hashes, medium=MEDIUM_CPU))
+        else:
+            entry.stored = True
+
+    def _on_evict(self, key: ChunkKey) -> None:
+        """Evict listener (the runtime's loop thread): queue the chunk's BlockRemoved."""
+        with self._events_lock:
+            entry = self._announced.get(key)
+            if entry is None:
+                return  # never announced by this worker (a promotion, another rank)
+            if not entry.stored:
+                entry.evicted = True
+                return
+            del self._announced[key]
+            self._events.append(BlockRemoved(block_hashes=entry.block_hashes, medium=MEDIUM_CPU))
+
+    def take_events(self) -> LMTierKVEvents | None:
+        """``BlockStored`` of the chunks stored and ``BlockRemoved`` of the announced ones
+        the CPU tier evicted since the last call, in order (None if none)."""
+        with self._events_lock:
+            events, self._events = self._events, []
+        return LMTierKVEvents(events) if events else None
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests finished by the scheduler whose saves are all through."""
+        self._finishing |= finished_req_ids & self._saving_reqs
+        done = set()
+        for req_id in self._finishing:
+            futures = self._pending.get(req_id, [])
+            if all(f.done() for f in futures):
+                for future in futures:
+                    if future.exception() is not None:
+                        logger.warning(
+                            "lmtier: a save of %s failed: %r", req_id, future.exception()
+                        )
+                done.add(req_id)
+        for req_id in done:
+            self._pending.pop(req_id, None)
+            self._saving_reqs.discard(req_id)
+        self._finishing -= done
+        return done
+
+    def handle_preemptions(self, meta: LMTierConnectorMetadata) -> None:
+        """A preempted request's blocks are reused at once: finish its saves first."""
+        for req_id in meta.preempted_req_ids:
+            for future in self._pending.pop(req_id, []):
+                future.exception()  # waits; a failed save was logged by finished_saves
+
+    def shutdown(self) -> None:
+        self._finish_load()
+        if self._save is not None:
+            self.wait_for_save()
+        self._writer.shutdown(wait=True)
+        if self._listening:
+            self._listening = False
+            self.cache.remove_evict_listener(self._on_evict)

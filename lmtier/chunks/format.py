@@ -1,0 +1,490 @@
+"""The one byte format of a KV chunk, shared unchanged by every tier.
+
+Disk files, Redis values and S3 objects all hold exactly these bytes, so moving a
+chunk between tiers is a copy, never a re-encode::
+
+    offset 0                24              24 + header_len      payload_offset = align_up(., 4096)
+    +-----------------------+-----------------+--------------------+---------------------------+
+    | prefix (24 bytes)     | msgpack header  | zero padding       | payload (nbytes, raw KV)  |
+    +-----------------------+-----------------+--------------------+---------------------------+
+    prefix = struct "<4sHHIIQ": magic b"LMTC", version, flags (0), header_len,
+             reserved (0), xxh3_64(header)
+    header = {"key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "ctime", "xxh", "mac"}
+
+Why this shape:
+
+* The payload starts on a 4096-byte boundary, so a tier using O_DIRECT can read it
+  straight into an aligned buffer. Bytes after ``payload_offset + nbytes`` are ignored
+  by :func:`decode`, because such tiers round their reads up to 4096.
+* The header carries its own checksum in the prefix: a flipped bit in the shape or
+  dtype is caught as surely as one in the payload. The padding is not covered; it
+  carries no information and decoding never reads it.
+* :func:`decode` returns a memoryview into the caller's buffer: the only full pass
+  over the payload is its xxh3_64 checksum (skippable with ``verify=False``).
+* ``mac`` is 32 bytes: zeros, or an HMAC-SHA256 (:mod:`lmtier.chunks.integrity`) over the
+  canonical header with a zeroed ``mac`` and the payload, when the writer holds the
+  deployment's integrity key. Checksums catch accidents; only a MAC catches a chunk
+  planted by someone who can write to a shared tier but does not hold the key.
+* msgpack with size limits, never pickle: a chunk is data from a cache that other
+  processes can write, and decoding it must not run code or exhaust memory.
+
+This module does not import torch: storage backends use it and never touch tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeAlias, TypeGuard
+
+import msgpack
+import xxhash
+
+from lmtier.errors import (
+    BadMagic,
+    ChecksumMismatch,
+    HeaderTooLarge,
+    InconsistentChunk,
+    TruncatedChunk,
+    UnsupportedVersion,
+)
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "FORMAT_VERSION",
+    "KEY_LEN",
+    "LAYOUTS",
+    "MAGIC",
+    "MAX_HEADER_LEN",
+    "PAYLOAD_ALIGN",
+    "PREFIX_LEN",
+    "MAC_LEN",
+    "ChunkGeometry",
+    "ChunkMeta",
+    "DecodedChunk",
+    "MacSigner",
+    "align_up",
+    "decode",
+    "decode_as",
+    "decode_header",
+    "encode",
+    "encode_into",
+    "encoded_size",
+    "header_bytes",
+    "signed_header",
+    "verify_payload",
+]
+
+MAGIC = b"LMTC"
+FORMAT_VERSION = 2
+"""2: the header gained ``mac``. Part of every key's namespace, so chunks of another
+version are never looked up."""
+MAC_LEN = 32
+"""Bytes of the header's ``mac`` field (HMAC-SHA256); all zeros when unsigned."""
+_NO_MAC = bytes(MAC_LEN)
+PAYLOAD_ALIGN = 4096
+MAX_HEADER_LEN = 64 * 1024
+KEY_LEN = 16
+"""Length in bytes of both the chunk key and the namespace id."""
+
+_PREFIX = struct.Struct("<4sHHIIQ")
+PREFIX_LEN = _PREFIX.size  # 24
+
+DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
+    {
+        "float32": 4,
+        "float16": 2,
+        "bfloat16": 2,
+        "int8": 1,
+        "uint8": 1,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+    }
+)
+"""Payload element types (torch dtype names without ``torch.``) and their byte sizes."""
+
+LAYOUTS: Mapping[str, str] = MappingProxyType(
+    {
+        "LKTHD": "layer, k/v, token, head, head_dim (layer-major, for layer-by-layer loading)",
+        "KLTHD": "k/v, layer, token, head, head_dim",
+        "LTD": "layer, token, latent dim (MLA: one latent per token)",
+    }
+)
+"""Named KV layouts: each name spells its axes, one letter per dimension of ``shape``."""
+
+# Limits handed to msgpack so a hostile header cannot make it allocate much: the
+# longest legal string is a dtype name, the longest array a 5-axis shape.
+_UNPACK_LIMITS: dict[str, int] = {
+    "max_bin_len": 64,
+    "max_str_len": 64,
+    "max_array_len": 16,
+    "max_map_len": 16,
+    "max_ext_len": 0,
+}
+_HEADER_FIELDS = frozenset(
+    ("key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "ctime", "xxh", "mac")
+)
+_UINT64 = b"\xcf"  # msgpack uint64 marker
+
+
+def align_up(n: int, align: int = PAYLOAD_ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``align`` (where the payload of a chunk starts)."""
+    return -(-n // align) * align
+
+
+def _is_int(x: object) -> TypeGuard[int]:
+    # bool is an int subclass, but True is not a dimension or a count.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_shape(x: object) -> TypeGuard[tuple[int, ...]]:
+    return isinstance(x, tuple) and all(_is_int(d) for d in x)
+
+
+def _check_meta(
+    *,
+    key: object,
+    namespace: object,
+    dtype: object,
+    shape: object,
+    layout: object,
+    num_tokens: object,
+    created: object,
+) -> None:
+    """Raise ValueError unless these fields describe a valid chunk.
+
+    Typed ``object`` because decode hands in whatever msgpack produced; decode turns
+    the ValueError into InconsistentChunk (bad bytes are a miss), while for a caller's
+    own ChunkMeta it stays a ValueError (a bug at the call site).
+    """
+    for name, value in (("key", key), ("namespace", namespace)):
+        if not isinstance(value, bytes) or len(value) != KEY_LEN:
+            raise ValueError(f"{name} must be {KEY_LEN} bytes, got {value!r:.60}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r:.60}; known: {sorted(DTYPE_ITEMSIZE)}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r:.60}; known: {sorted(LAYOUTS)}")
+    if not _is_shape(shape) or len(shape) != len(layout) or min(shape) < 1:
+        raise ValueError(f"shape {shape!r:.60} is not {len(layout)} ints >= 1 for {layout}")
+    if not _is_int(num_tokens) or shape[layout.index("T")] != num_tokens:
+        raise ValueError(f"token axis of {shape} ({layout}) is not num_tokens={num_tokens!r:.40}")
+    if "K" in layout and shape[layout.index("K")] != 2:
+        raise ValueError(f"k/v axis of {shape} ({layout}) is not 2")
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
+        raise ValueError(f"created must be a unix time, got {created!r:.60}")
+    if not math.isfinite(created) or created < 0:
+        raise ValueError(f"created must be a finite unix time >= 0, got {created!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """What a chunk holds: its identity, element type, shape and layout.
+
+    Validated on construction (ValueError), so every ChunkMeta describes a chunk
+    that can be encoded. ``created`` of 0.0 means "stamp time.time() at encode";
+    a decoded meta carries the stamp from the header.
+    """
+
+    key: bytes
+    namespace: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    num_tokens: int
+    created: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_meta(
+            key=self.key,
+            namespace=self.namespace,
+            dtype=self.dtype,
+            shape=self.shape,
+            layout=self.layout,
+            num_tokens=self.num_tokens,
+            created=self.created,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size in bytes: the product of ``shape`` times the dtype's item size."""
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedChunk:
+    """A validated chunk. ``payload`` is a zero-copy view into the decoded buffer.
+
+    The view pins the caller's buffer (a bytearray cannot be resized while it lives)
+    and sees any later writes to it; copy it if the buffer is about to be reused.
+    """
+
+    meta: ChunkMeta
+    payload: memoryview
+    payload_offset: int
+    checksum: int
+    mac: bytes = _NO_MAC
+    """The header's MAC (all zeros when the writer held no integrity key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkGeometry:
+    """What every full chunk of one cache looks like: element type, layout, shape.
+
+    The StorageManager compares each loaded chunk's header with it (a few field
+    compares, no payload pass), so a chunk of another model's geometry is never served
+    as a hit even if it sits under a matching key.
+    """
+
+    dtype: str
+    layout: str
+    shape: tuple[int, ...]
+
+    def matches(self, meta: ChunkMeta) -> bool:
+        """Whether ``meta`` describes a chunk of exactly this geometry."""
+        return meta.dtype == self.dtype and meta.layout == self.layout and meta.shape == self.shape
+
+
+MacSigner: TypeAlias = Callable[[bytes, memoryview], bytes]
+"""Computes a chunk's MAC from its canonical header (``mac`` zeroed) and its payload."""
+
+
+def _pack_header(meta: ChunkMeta, checksum: int, ctime: float, mac: bytes = _NO_MAC) -> bytes:
+    """The msgpack header. Its length depends on ``meta`` only, never on the values
+    of ``checksum``, ``ctime`` or ``mac``: the checksum is always written as a 9-byte
+    uint64 (msgpack would otherwise pick the narrowest int), ctime as a float64 and
+    mac as 32 bytes. That is what lets :func:`encoded_size` be exact without hashing
+    the payload, and a MAC be filled in after the header is packed."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts: list[bytes] = [packer.pack_map_header(len(_HEADER_FIELDS))]
+    for name, value in (
+        ("key", meta.key),
+        ("ns", meta.namespace),
+        ("dtype", meta.dtype),
+        ("shape", list(meta.shape)),
+        ("layout", meta.layout),
+        ("tokens", meta.num_tokens),
+        ("nbytes", meta.nbytes),
+        ("ctime", float(ctime)),
+    ):
+        parts += (packer.pack(name), packer.pack(value))
+    parts += (packer.pack("xxh"), _UINT64 + checksum.to_bytes(8, "big"))
+    parts += (packer.pack("mac"), packer.pack(mac))
+    return b"".join(parts)
+
+
+def signed_header(meta: ChunkMeta, checksum: int) -> bytes:
+    """The canonical header a chunk's MAC covers (with ``mac`` zeroed), before its payload.
+
+    ``meta.created`` must be the chunk's stamp (as decoded, or as given to encode).
+    Rebuilt from the fields rather than taken from the bytes, so a verifier never
+    depends on how a writer laid out its map.
+    """
+    return _pack_header(meta, checksum, meta.created)
+
+
+def _frame(header: bytes) -> bytes:
+    """Prefix + header + zero padding: everything before the payload."""
+    if len(header) > MAX_HEADER_LEN:
+        raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_LEN}")
+    prefix = _PREFIX.pack(
+        MAGIC, FORMAT_VERSION, 0, len(header), 0, xxhash.xxh3_64_intdigest(header)
+    )
+    padding = bytes(align_up(PREFIX_LEN + len(header)) - PREFIX_LEN - len(header))
+    return prefix + header + padding
+
+
+def _byte_view(meta: ChunkMeta, payload: Any) -> memoryview:
+    """A flat byte view of ``payload`` (any C-contiguous buffer) of exactly meta.nbytes."""
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("payload must be a C-contiguous buffer")
+    view = view.cast("B")
+    if view.nbytes != meta.nbytes:
+        raise ValueError(
+            f"payload has {view.nbytes} bytes but {meta.dtype}{list(meta.shape)} "
+            f"needs {meta.nbytes}"
+        )
+    return view
+
+
+def header_bytes(meta: ChunkMeta, payload: Any, sign: MacSigner | None = None) -> bytes:
+    """The bytes that precede ``payload`` in its encoding (length == payload offset).
+
+    Hashes the payload, and MACs header and payload with ``sign`` when given (see
+    :mod:`lmtier.chunks.integrity`). Tiers write the result and the payload as two buffers
+    (writev, a non-copying Redis SET) so the payload is never copied to encode it.
+    """
+    view = _byte_view(meta, payload)
+    ctime = meta.created if meta.created != 0.0 else time.time()
+    checksum = xxhash.xxh3_64_intdigest(view)
+    mac = _NO_MAC
+    if sign is not None:
+        mac = sign(_pack_header(meta, checksum, ctime), view)
+        if len(mac) != MAC_LEN:
+            raise ValueError(f"a MAC must be {MAC_LEN} bytes, got {len(mac)}")
+    return _frame(_pack_header(meta, checksum, ctime, mac))
+
+
+def encoded_size(meta: ChunkMeta) -> int:
+    """Exact length of the encoding of a chunk with this meta (payload offset + nbytes)."""
+    return align_up(PREFIX_LEN + len(_pack_header(meta, 0, 0.0))) + meta.nbytes
+
+
+def encode(meta: ChunkMeta, payload: Any, sign: MacSigner | None = None) -> bytes:
+    """Encode ``payload`` (any C-contiguous buffer of meta.nbytes bytes) as one chunk.
+
+    One copy of the payload, into the returned bytes. Prefer :func:`header_bytes` or
+    :func:`encode_into` where the destination allows it.
+    """
+    view = _byte_view(meta, payload)
+    return b"".join((header_bytes(meta, view, sign), view))
+
+
+def encode_into(meta: ChunkMeta, payload: Any, out: Any, sign: MacSigner | None = None) -> int:
+    """Encode straight into the writable buffer ``out`` (e.g. a pool slab).
+
+    Copies the payload exactly once. Returns the number of bytes written; bytes of
+    ``out`` beyond that are left untouched. ValueError if ``out`` is too small.
+    """
+    view = _byte_view(meta, payload)
+    dest = memoryview(out)
+    if dest.readonly or not dest.c_contiguous:
+        raise ValueError("out must be a writable C-contiguous buffer")
+    dest = dest.cast("B")
+    head = header_bytes(meta, view, sign)
+    total = len(head) + meta.nbytes
+    if dest.nbytes < total:
+        raise ValueError(f"out has {dest.nbytes} bytes, the chunk needs {total}")
+    dest[: len(head)] = head
+    dest[len(head) : total] = view
+    return total
+
+
+def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    # A repeated key would let two readers disagree on a field; refuse it.
+    fields = dict(pairs)
+    if len(fields) != len(pairs):
+        raise ValueError("duplicate key in header map")
+    return fields
+
+
+def _parse_header(header: memoryview) -> tuple[ChunkMeta, int, bytes]:
+    """Unpack and validate the msgpack header: (meta, payload checksum, MAC)."""
+    try:
+        fields = msgpack.unpackb(
+            header,
+            raw=False,
+            strict_map_key=True,
+            object_pairs_hook=_no_duplicate_keys,
+            **_UNPACK_LIMITS,
+        )
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException) as exc:
+        raise InconsistentChunk(f"header is not valid msgpack: {exc}") from exc
+    if not isinstance(fields, dict) or fields.keys() != _HEADER_FIELDS:
+        keys = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
+        raise InconsistentChunk(f"header fields {keys} are not {sorted(_HEADER_FIELDS)}")
+    shape = fields["shape"]
+    try:
+        meta = ChunkMeta(
+            key=fields["key"],
+            namespace=fields["ns"],
+            dtype=fields["dtype"],
+            shape=tuple(shape) if isinstance(shape, list) else shape,
+            layout=fields["layout"],
+            num_tokens=fields["tokens"],
+            created=fields["ctime"],
+        )
+    except ValueError as exc:
+        raise InconsistentChunk(str(exc)) from exc
+    nbytes = fields["nbytes"]
+    if not _is_int(nbytes) or nbytes != meta.nbytes:
+        raise InconsistentChunk(
+            f"nbytes {nbytes!r:.40} but {meta.dtype}{list(shape)} is {meta.nbytes}"
+        )
+    checksum = fields["xxh"]
+    if not _is_int(checksum) or not 0 <= checksum < 1 << 64:
+        raise InconsistentChunk(f"payload checksum {checksum!r:.40} is not a uint64")
+    mac = fields["mac"]
+    if not isinstance(mac, bytes) or len(mac) != MAC_LEN:
+        raise InconsistentChunk(f"mac is not {MAC_LEN} bytes")
+    return meta, checksum, mac
+
+
+def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int, bytes]:
+    """Validate prefix and header of ``buf``: (view, meta, payload_offset, checksum, mac)."""
+    view = memoryview(buf).cast("B")
+    if len(view) < PREFIX_LEN:
+        if not MAGIC.startswith(bytes(view[: len(MAGIC)])):
+            raise BadMagic(f"chunk does not start with {MAGIC!r}")
+        raise TruncatedChunk(f"{len(view)} bytes, shorter than the {PREFIX_LEN}-byte prefix")
+    magic, version, flags, header_len, reserved, header_xxh = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise BadMagic(f"chunk starts with {magic!r}, not {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersion(f"format version {version}; this build reads {FORMAT_VERSION}")
+    if flags != 0:
+        # A future version may define flags; a reader that ignored them could misread.
+        raise UnsupportedVersion(f"unknown format flags {flags:#06x}")
+    if header_len > MAX_HEADER_LEN:
+        raise HeaderTooLarge(f"header length {header_len} exceeds {MAX_HEADER_LEN}")
+    if reserved != 0:
+        raise InconsistentChunk(f"reserved prefix field is {reserved}, not 0")
+    header_end = PREFIX_LEN + header_len
+    if len(view) < header_end:
+        raise TruncatedChunk(f"{len(view)} bytes, the header ends at {header_end}")
+    header = view[PREFIX_LEN:header_end]
+    if xxhash.xxh3_64_intdigest(header) != header_xxh:
+        raise ChecksumMismatch("header checksum mismatch")
+    meta, checksum, mac = _parse_header(header)
+    return view, meta, align_up(header_end), checksum, mac
+
+
+def decode_header(buf: Any) -> tuple[ChunkMeta, int, int, int]:
+    """Validate the prefix and header only: (meta, payload_offset, nbytes, checksum).
+
+    ``buf`` needs the prefix and header, not the payload; tiers read this first, then
+    the payload into its destination and check it with :func:`verify_payload`.
+    """
+    _, meta, payload_offset, checksum, _mac = _read_header(buf)
+    return meta, payload_offset, meta.nbytes, checksum
+
+
+def decode(buf: Any, *, verify: bool = True) -> DecodedChunk:
+    """Validate a whole chunk and return it with a zero-copy view of its payload.
+
+    ``buf`` is any C-contiguous buffer (bytes, bytearray, mmap, a pool slab). For any
+    bytes in it, only :class:`~lmtier.errors.CorruptChunk` subclasses are raised
+    (a ``buf`` that is not a buffer at all is a TypeError: a caller's bug).
+    ``verify=False`` skips the payload checksum (the header checksum is always
+    checked), for callers that verified the same bytes before. Bytes past the
+    payload are ignored.
+    """
+    view, meta, payload_offset, checksum, mac = _read_header(buf)
+    end = payload_offset + meta.nbytes
+    if len(view) < end:
+        raise TruncatedChunk(f"{len(view)} bytes, the payload ends at {end}")
+    payload = view[payload_offset:end]
+    if verify:
+        verify_payload(payload, checksum)
+    return DecodedChunk(meta, payload, payload_offset, checksum, mac)
+
+
+def decode_as(key: bytes, buf: Any, *, verify: bool = True) -> DecodedChunk:
+    """:func:`decode` ``buf``, and check that it is the chunk ``key`` (its 32 bytes:
+    namespace then chain): a valid chunk of another key is :class:`InconsistentChunk`."""
+    chunk = decode(buf, verify=verify)
+    meta = chunk.meta
+    if meta.namespace != key[:KEY_LEN] or meta.key != key[KEY_LEN:]:
+        raise InconsistentChunk(f"chunk holds key {(meta.namespace + meta.key).hex()}")
+    return chunk
+
+
+def verify_payload(payload: Any, checksum: int) -> None:
+    """Raise ChecksumMismatch unless xxh3_64 of ``payload`` is ``checksum``."""
+    actual = xxhash.xxh3_64_intdigest(payload)
+    if actual != checksum:
+        raise ChecksumMismatch(f"payload xxh3_64 is {actual:#018x}, header says {checksum:#018x}")

@@ -1,0 +1,406 @@
+"""The StorageManager: waterfall lookup, loads with promotion, background write-down.
+
+Tiers are ordered fastest first: the CPU tier (host-pool slabs), then byte tiers
+such as disk, Redis and S3. The manager never branches on a tier's name or class;
+what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperties`.
+
+* **lookup** asks the CPU tier how many leading chunks it holds, asks the next tier
+  only about the rest, and so on: one batched call per tier, and a tier that fails
+  or times out answers 0 (a miss), never an error.
+* **get** serves CPU hits zero-copy (another lease on the cached slab), reads lower
+  hits straight into fresh pool slabs, and promotes them: the CPU tier adopts the
+  slab (no copy) and the byte tiers above the one that served it get the chunk in
+  the background. It stops at the first chunk that cannot be served. Reads go to a
+  tier in batches sized by :mod:`lmtier.storage.pacing`, one after another, so that a slow
+  but healthy tier serves a long prompt batch by batch instead of timing out whole.
+* **checks**: every chunk served, from any tier, host memory included, must be the
+  chunk asked for, of the cache's geometry, and authentic when it comes from a
+  shared tier and an integrity key is set (:class:`~lmtier.storage.check.ChunkCheck`);
+  one that is not is deleted from its tier, counted in ``corrupt``, and the load
+  stops there.
+* **put** lands in the CPU tier synchronously and goes to each ``write_through``
+  tier through a bounded queue (:mod:`lmtier.storage.writes`); ``write_back`` tiers
+  get chunks the CPU tier evicts. A full queue drops the write and counts it:
+  inference never waits on storage.
+* **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
+  every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
+  be in a lower tier); an engine integration uses it to announce removals.
+* **failures**: every call to a byte tier goes through its :class:`~lmtier.storage.guard.TierGuard`:
+  a timeout (the tier's ``timeout_s``, else the manager's default), an exception
+  turned into a miss and a counter, and a circuit breaker that turns a dead tier
+  into a fast miss until a probe succeeds.
+* **slabs in flight**: a call that times out (or whose caller is cancelled) is
+  abandoned, not awaited, but its I/O may still be reading or writing the slabs it
+  was given. Those slabs stay out of the pool until the call is really over: a read
+  holds leases of its own, a write keeps its write leases, both released when the
+  call's task finishes (:mod:`lmtier.storage.guard`). A late read therefore lands in a slab
+  nobody else has, and is dropped with it.
+
+All methods run on the runtime's event loop (see :mod:`lmtier.runtime`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from lmtier.chunks.format import DecodedChunk
+from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import CacheClosedError
+from lmtier.storage.blocking import run_blocking
+from lmtier.storage.breaker import CircuitBreaker
+from lmtier.storage.check import ChunkCheck
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.guard import TierGuard
+from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
+from lmtier.storage.memory import SlabHandle
+from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.tier import Tier
+from lmtier.storage.writes import BackgroundWrites
+
+__all__ = ["EvictListener", "LoadedChunk", "Lookup", "StorageManager", "TierSpan"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CALL_TIMEOUT_S = 10.0
+"""Timeout of a tier call when the tier declares none: even a local disk can hang."""
+ABANDONED_WAIT_S = 2.0
+"""How long :meth:`StorageManager.close` waits for abandoned calls to finish their I/O."""
+
+EvictListener = Callable[[ChunkKey], None]
+"""Told the key of a chunk the CPU tier evicted; runs on the runtime's loop thread,
+inside the eviction, so it must be quick and must not call back into the manager."""
+
+
+def _release_all(handles: Sequence[SlabHandle]) -> None:
+    for handle in handles:
+        handle.release()
+
+
+class StorageManager:
+    """Ordered tiers behind one lookup/get/put interface. See the module docstring.
+
+    ``check`` says what a served chunk must be (default: the chunk asked for, any
+    geometry, no MAC).
+    """
+
+    def __init__(
+        self,
+        memory: CPUTier,
+        tiers: Sequence[Tier] = (),
+        *,
+        call_timeout_s: float | None = None,
+        breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+        check: ChunkCheck | None = None,
+    ) -> None:
+        names = [memory.name, *(tier.name for tier in tiers)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.memory = memory
+        self.tiers = list(tiers)
+        self.call_timeout_s = call_timeout_s or DEFAULT_CALL_TIMEOUT_S
+        self.check = check or ChunkCheck()
+        self.guards = {
+            t.name: TierGuard(t, self._timeout(t), breaker_factory()) for t in self.tiers
+        }
+        self.writes = BackgroundWrites(memory, list(self.guards.values()))
+        self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
+        self._read_pacers = {t.name: BatchPacer(self._timeout(t)) for t in self.tiers}
+        self._verifier: ThreadPoolExecutor | None = None
+        self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
+        self._evict_listeners: list[EvictListener] = []
+        memory.on_evict = self._on_evict
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start one background writer per byte tier. Call once, on the runtime's loop."""
+        if self.check.mac is not None and any(t.properties.shared for t in self.tiers):
+            self._verifier = ThreadPoolExecutor(2, thread_name_prefix="lmtier-verify")
+        self.writes.start()
+
+    def _timeout(self, tier: Tier) -> float:
+        return tier.properties.timeout_s or self.call_timeout_s
+
+    @property
+    def _chunk_bytes(self) -> int:
+        return self.memory.pool.slab_bytes
+
+    # ---- lookup -----------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """How many leading chunks of ``keys`` some tier holds, and which tier serves each."""
+        started = time.perf_counter()
+        walk = Walk(keys, self.memory)
+        for tier in self.tiers:
+            if walk.done:
+                break
+            walk.add(tier.name, await self._contains(tier, walk.rest))
+        self.memory.stats.lookup_latency.record(time.perf_counter() - started)
+        return walk.result()
+
+    def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
+        """:meth:`lookup` from any thread without I/O, when every tier it must ask can
+        answer from memory (``Tier.contains_now``); None when some tier cannot."""
+        walk, complete = self._walk_now(keys)
+        return walk.result() if complete else None
+
+    def lookup_local(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """The leading chunks found without I/O, from any thread: the CPU tier, then the
+        tiers that answer from memory, up to the first that would need I/O. For a store,
+        which must never wait on a remote tier to learn what it may skip."""
+        walk, _ = self._walk_now(keys)
+        return walk.result()
+
+    def _walk_now(self, keys: Sequence[ChunkKey]) -> tuple[Walk, bool]:
+        walk = Walk(keys, self.memory)
+        for tier in self.tiers:
+            if walk.done:
+                break
+            started = time.perf_counter()
+            count = tier.contains_now(walk.rest)
+            if count is None:
+                return walk, False
+            tier.stats.lookup_latency.record(time.perf_counter() - started)
+            walk.add(tier.name, count)
+        return walk, True
+
+    async def _contains(self, tier: Tier, keys: Sequence[ChunkKey]) -> int:
+        started = time.perf_counter()
+        count, _ = await self.guards[tier.name].call("contains", lambda: tier.contains(keys))
+        tier.stats.lookup_latency.record(time.perf_counter() - started)
+        return 0 if count is None else max(0, min(count, len(keys)))
+
+    # ---- get --------------------------------------------------------------------
+
+    async def get(
+        self, keys: Sequence[ChunkKey], lookup: Lookup | None = None
+    ) -> list[LoadedChunk]:
+        """Load the leading chunks of ``keys`` that can be served, in order.
+
+        The result may be shorter than ``lookup.num_chunks`` when a chunk vanished,
+        failed a check, or its tier was too slow since the lookup; it never has a gap.
+        """
+        lookup = lookup if lookup is not None else await self.lookup(keys)
+        loaded: list[LoadedChunk] = []
+        try:
+            for span in lookup.spans:
+                span_keys = keys[span.start : span.stop]
+                if span.tier == self.memory.name:
+                    chunks = await self._get_from_memory(span_keys)
+                else:
+                    chunks = await self._get_from_tier(self._tier(span.tier), span_keys)
+                loaded.extend(chunks)
+                if len(chunks) < len(span_keys):
+                    break
+        except BaseException:
+            for chunk in loaded:
+                chunk.release()
+            raise
+        return loaded
+
+    async def _get_from_memory(self, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
+        chunks: list[LoadedChunk] = []
+        for key in keys:
+            shared = self.memory.share(key)
+            if shared is None:
+                break
+            handle, size = shared
+            chunk = self.check.header(key, handle.view[:size])
+            if chunk is None:  # never expected: a bug elsewhere, caught before it is served
+                handle.release()
+                self.memory.stats.corrupt += 1
+                logger.error("%s: cached chunk %s failed its check", self.memory.name, key.hex())
+                await self.memory.delete([key])
+                break
+            chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
+        return chunks
+
+    async def _get_from_tier(self, tier: Tier, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
+        pacer = self._read_pacers[tier.name]
+        chunks: list[LoadedChunk] = []
+        while len(chunks) < len(keys):
+            count = pacer.size(self._chunk_bytes, len(keys) - len(chunks))
+            handles = self.acquire_slabs(count)
+            if not handles:
+                break  # every slab is in use by readers: serve what fits
+            batch = keys[len(chunks) : len(chunks) + len(handles)]
+            served = await self._read_batch(tier, pacer, batch, handles)
+            chunks.extend(served)
+            if len(served) < len(batch):
+                break
+        return chunks
+
+    async def _read_batch(
+        self, tier: Tier, pacer: BatchPacer, keys: Sequence[ChunkKey], handles: list[SlabHandle]
+    ) -> list[LoadedChunk]:
+        """Read one batch into ``handles`` (taking ownership of them); the leading chunks
+        that arrived and passed every check, promoted."""
+        chunks: list[LoadedChunk] = []
+        try:
+            io_leases = [handle.share() for handle in handles]  # the call's own (docstring)
+            views = [handle.view for handle in handles]
+            started = time.perf_counter()
+            read, timed_out = await self.guards[tier.name].call(
+                "get", lambda: tier.read_chunks(keys, views), lambda: _release_all(io_leases)
+            )
+            elapsed = time.perf_counter() - started
+            tier.stats.read_latency.record(elapsed)
+            if read is None:
+                if timed_out:
+                    pacer.timed_out(len(keys) * self._chunk_bytes, len(keys))
+                return chunks
+            sizes = [c.payload_offset + c.meta.nbytes for c in read if c is not None]
+            pacer.succeeded(sum(sizes), elapsed, len(keys))
+            decoded: list[DecodedChunk] = []
+            for key, chunk in zip(keys, read, strict=True):
+                if chunk is None or not self.check.fits(chunk):
+                    if chunk is not None:
+                        await self._reject(tier, [key])
+                    break
+                decoded.append(chunk)
+            decoded = await self._authentic(tier, keys, decoded)
+            for key, handle, chunk in zip(keys, handles, decoded, strict=False):
+                chunks.append(LoadedChunk(key, tier.name, chunk, handle))
+                self._promote(tier, key, handle, chunk.payload_offset + chunk.meta.nbytes)
+            return chunks
+        finally:
+            _release_all(handles[len(chunks) :])
+
+    async def _authentic(
+        self, tier: Tier, keys: Sequence[ChunkKey], decoded: list[DecodedChunk]
+    ) -> list[DecodedChunk]:
+        """The leading chunks of ``decoded`` with a valid MAC, where ``tier`` needs one."""
+        if not decoded or not self.check.needs_mac(tier) or self._verifier is None:
+            return decoded
+        verdicts = await run_blocking(
+            self._verifier, [(self.check.authentic, (chunk,)) for chunk in decoded]
+        )
+        for index, verdict in enumerate(verdicts):
+            if verdict is not True:
+                logger.warning("%s: chunk %s has no valid MAC", tier.name, keys[index].hex())
+                await self._reject(tier, [keys[index]])
+                return decoded[:index]
+        return decoded
+
+    async def _reject(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
+        """Chunks that passed the tier's checks but not ours: delete and count them."""
+        tier.stats.corrupt += len(keys)
+        await self.guards[tier.name].call("delete", lambda: tier.delete(keys))
+
+    def acquire_slabs(self, count: int, count_drops: bool = False) -> list[SlabHandle]:
+        """Up to ``count`` free slabs, evicting idle cached chunks; fewer when readers
+        and writes in flight hold the rest (with ``count_drops``, the shortfall is
+        counted in the CPU tier's ``queue_drops``: chunks a store could not keep)."""
+        handles: list[SlabHandle] = []
+        for _ in range(count):
+            handle = self.memory.acquire_slab()
+            if handle is None:
+                if count_drops:
+                    self.memory.stats.queue_drops += count - len(handles)
+                break
+            handles.append(handle)
+        return handles
+
+    def _promote(self, source: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+        self.memory.adopt(key, handle.share(), size)
+        for tier in self.tiers:
+            if tier is source:
+                break
+            self.writes.enqueue(tier, key, handle, size)
+
+    # ---- put --------------------------------------------------------------------
+
+    def put(self, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+        """Store a chunk encoded in ``handle``'s slab; takes ownership of that lease.
+
+        The CPU tier adopts it now; write-through tiers get it in the background.
+        """
+        if self._closed:
+            handle.release()
+            raise CacheClosedError("put on a closed StorageManager")
+        for tier in self.tiers:
+            if tier.properties.write_policy == "write_through":
+                self.writes.enqueue(tier, key, handle, size)
+        self.memory.adopt(key, handle, size)
+
+    def put_many(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
+        """:meth:`put` each ``(key, lease, encoded length)``."""
+        for key, handle, size in encoded:
+            self.put(key, handle, size)
+
+    def add_evict_listener(self, callback: EvictListener) -> None:
+        """Call ``callback(key)`` for every chunk the CPU tier evicts from now on, in
+        eviction order, on the runtime's loop thread (see :data:`EvictListener`).
+
+        A listener that raises is logged and ignored: it never breaks an eviction.
+        Call on the loop thread (:meth:`lmtier.api.LMTier.add_evict_listener` does).
+        """
+        self._evict_listeners.append(callback)
+
+    def remove_evict_listener(self, callback: EvictListener) -> None:
+        """Stop calling ``callback``; a callback never added is ignored."""
+        if callback in self._evict_listeners:
+            self._evict_listeners.remove(callback)
+
+    def _on_evict(self, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+        for tier in self._write_back:
+            self.writes.enqueue(tier, key, handle, size)
+        handle.release()
+        for listener in tuple(self._evict_listeners):
+            try:
+                listener(key)
+            except Exception:
+                logger.exception("evict listener %r failed on %s", listener, key)
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Wait until every queued background write has been attempted."""
+        await self.writes.flush()
+
+    async def close(self) -> None:
+        """Flush and stop the background writes (:meth:`BackgroundWrites.close`), let
+        abandoned calls finish their I/O (up to ``ABANDONED_WAIT_S``), close every tier.
+        Idempotent."""
+        if self._closed:
+            return
+        await self.writes.close()
+        self._closed = True
+        abandoned = {task for guard in self.guards.values() for task in guard.abandoned}
+        if abandoned:
+            await asyncio.wait(abandoned, timeout=ABANDONED_WAIT_S)
+        for tier in [self.memory, *self.tiers]:
+            try:
+                await tier.close()
+            except Exception:
+                logger.exception("%s: close failed", tier.name)
+        if self._verifier is not None:
+            self._verifier.shutdown(wait=False, cancel_futures=True)
+
+    def _tier(self, name: str) -> Tier:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(name)
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Per-tier counters, fastest tier first, plus queue depths and batch sizes."""
+        out: dict[str, dict[str, object]] = {}
+        for tier in [self.memory, *self.tiers]:
+            entry: dict[str, object] = dict(tier.stats.as_dict())
+            depth = self.writes.depth(tier)
+            if depth is not None:
+                entry["queue_depth"] = depth
+            breaker = self.breakers.get(tier.name)
+            if breaker is not None:
+                entry["breaker"] = breaker.state.value
+                entry["breaker_opens"] = breaker.opens
+            pacer = self._read_pacers.get(tier.name)
+            if pacer is not None:
+                entry["read_batch"] = pacer.size(self._chunk_bytes, MAX_CHUNKS)
+                entry["abandoned_in_flight"] = len(self.guards[tier.name].abandoned)
+            out[tier.name] = entry
+        return out

@@ -1,0 +1,103 @@
+"""Storage backends found by name through the ``lmtier.backends`` entry-point group.
+
+The core never imports a backend: the disk, Redis and S3 tiers live in the
+``lmtier_backends`` package (or a third party's) and register a factory::
+
+    [project.entry-points."lmtier.backends"]
+    disk = "lmtier_backends.disk.tier:open_tier"
+
+A factory is ``async def open_tier(section) -> Tier``. :func:`open_tiers` opens the
+enabled ones in waterfall order: disk, then Redis, then S3, then the config's
+``extra_tiers`` (third-party backends, each given its
+:class:`~lmtier.config.ExtraTierConfig`: the entry point's name and its options).
+A factory that raises BackendError (the server is down) does not stop the cache from
+opening: a :class:`~lmtier.storage.reopening_tier.ReopeningTier` stands in and
+retries. Any other error (a bad configuration, a missing bucket) does, and so does
+a factory that returns something that is not a Tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from lmtier.config import LMTierConfig
+from lmtier.errors import BackendError, ConfigError
+from lmtier.storage.reopening_tier import ReopeningTier
+from lmtier.storage.tier import Tier
+
+__all__ = ["backend_factory", "enabled_sections", "open_tiers"]
+
+logger = logging.getLogger(__name__)
+
+GROUP = "lmtier.backends"
+
+TierFactory = Callable[[Any], Awaitable[Tier]]
+
+
+def backend_factory(name: str) -> TierFactory:
+    """The registered factory of backend ``name``; ConfigError naming what is installed."""
+    found = entry_points(group=GROUP)
+    for entry in found:
+        if entry.name == name:
+            factory: TierFactory = entry.load()
+            return factory
+    available = sorted(entry.name for entry in found)
+    raise ConfigError(
+        f"no storage backend named {name!r} is installed (available: {available}); "
+        "is the lmtier package installed (pip install -e .)?"
+    )
+
+
+def enabled_sections(config: LMTierConfig) -> list[tuple[str, Any]]:
+    """The enabled lower tiers of ``config`` as ``(backend name, section)``, in order."""
+    sections: list[tuple[str, Any]] = []
+    if config.disk.enabled:
+        sections.append(("disk", config.disk))
+    if config.redis.url is not None:
+        sections.append(("redis", config.redis))
+    if config.s3.bucket is not None:
+        sections.append(("s3", config.s3))
+    sections.extend((extra.backend, extra) for extra in config.extra_tiers)
+    return sections
+
+
+async def open_tiers(config: LMTierConfig) -> list[Tier]:
+    """Open every enabled lower tier; on a failure, close those already opened.
+
+    A tier whose server is unreachable is replaced by a ReopeningTier (module docstring).
+    """
+    tiers: list[Tier] = []
+    try:
+        for name, section in enabled_sections(config):
+            factory = backend_factory(name)
+            try:
+                tier = await factory(section)
+            except BackendError as exc:
+                logger.warning(
+                    "%s tier unreachable at start (%s); retrying in the background", name, exc
+                )
+                tiers.append(ReopeningTier(name, _opener(factory, section), section))
+                continue
+            if not isinstance(tier, Tier):
+                raise ConfigError(
+                    f"storage backend {name!r} returned {type(tier).__name__}, not a Tier"
+                )
+            tiers.append(tier)
+            logger.debug("opened %s tier", name)
+    except BaseException:
+        for tier in tiers:
+            await tier.close()
+        raise
+    return tiers
+
+
+def _opener(factory: TierFactory, section: Any) -> Callable[[], Awaitable[Tier]]:
+    """A retry of ``factory(section)`` for a ReopeningTier."""
+
+    async def reopen() -> Tier:
+        return await factory(section)
+
+    return reopen

@@ -1,0 +1,208 @@
+"""The tier interface: an async, batch-first store of encoded chunks (bytes only).
+
+Every storage tier (host memory, disk, Redis, S3) implements :class:`Tier`. The
+interface is modelled on a remote store, because that is the expensive case: every
+call takes many keys so a backend can answer in one round trip, ``contains`` answers
+how many *leading* keys are present (a lookup stops at the first miss anyway), and
+``get_into`` reads into buffers the caller owns (pool slabs), so there is exactly one
+copy from the medium into memory.
+
+Buffers belong to the tier call that was given them until that call is over: a
+tier call returns, raises or is cancelled only once none of the I/O it started can
+touch its buffers any more (threads use :mod:`lmtier.storage.blocking`; I/O on the event
+loop aborts its transport when cancelled). The StorageManager relies on it to keep
+a slab out of the pool while a timed-out call may still be writing into it.
+
+Failures come in three kinds. A chunk that is absent or vanished is a miss: None
+or a shorter prefix. A chunk that is there but can never be served (larger than
+any buffer, a Redis key of another type, a directory, FIFO or unreadable file in
+place of a chunk file) is reported as :data:`UNSERVABLE` by the backend; the shared
+code deletes it, counts it in ``stats.unservable`` and reports a miss, so that a
+lookup stops saying "hit" for it. A problem with the tier itself (refused
+connection, timeout, server down) raises :class:`~lmtier.errors.BackendError` (or
+simply takes too long): the StorageManager counts it, feeds the tier's circuit
+breaker, and answers the request with a miss. The interface is for the manager;
+engine code never sees either kind.
+
+Tiers move the chunk format's bytes unchanged and never touch torch. Validation is
+shared, not per backend: :meth:`Tier.read_chunks` (and :meth:`Tier.get_into`) call
+the backend's ``_read_into``, then decode every chunk once (magic, version, header
+and payload checksums, and that the chunk is the one asked for); a chunk that fails
+is counted, deleted, and reported as a miss. Backends translate their own exceptions
+(OSError, redis, botocore) at their edge, through one table each
+(:mod:`lmtier.storage.failures`), into misses for one chunk or BackendError for the
+whole tier.
+
+What makes tiers behave differently lives in :class:`TierProperties`, so the
+StorageManager never branches on a tier's name or class.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, TypeVar
+
+from lmtier.chunks.format import DecodedChunk, decode_as
+from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import CorruptChunk
+from lmtier.storage.stats import TierStats
+
+__all__ = ["UNSERVABLE", "Buffer", "Tier", "TierProperties", "WritePolicy"]
+
+logger = logging.getLogger(__name__)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+"""Encoded chunk bytes handed to ``put``."""
+
+WritePolicy = Literal["write_through", "write_back"]
+_T = TypeVar("_T", bound="Tier")
+
+UNSERVABLE = -1
+"""What ``Tier._read_into`` returns for a chunk that is present but can never be
+served (see the module docstring): it is deleted and counted, and the read is a miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierProperties:
+    """Declared behaviour of a tier, read by the StorageManager instead of its type.
+
+    ``shared``: other processes or machines can write its chunks (chunks read from it
+    must carry a valid MAC when an integrity key is set). ``write_policy``:
+    ``write_through`` receives every new chunk in the background; ``write_back``
+    receives a chunk only when the memory tier evicts it. ``queue_depth``: chunks that
+    may wait for a background write before new ones are dropped (and counted) rather
+    than blocking inference.
+    ``verify_reads``: validate every chunk read (checksums); only a tier holding
+    memory this process wrote and validated on entry may turn it off.
+    ``timeout_s``: how long one call may take before it counts as a failure (None:
+    the StorageManager's default).
+    """
+
+    shared: bool = False
+    write_policy: WritePolicy = "write_through"
+    queue_depth: int = 256
+    verify_reads: bool = True
+    timeout_s: float | None = None
+
+
+class Tier(ABC):
+    """An async, batch-first store of encoded chunks. See the module docstring.
+
+    Every backend is built the same way: its constructor stores its settings (no I/O,
+    no threads), :meth:`start` does the I/O of opening (connect, scan a directory),
+    and ``await Backend.open(...)`` does both with the constructor's arguments.
+    """
+
+    name: str
+    properties: TierProperties
+    stats: TierStats
+
+    @classmethod
+    async def open(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
+        """Build the tier with these arguments and :meth:`start` it."""
+        tier = cls(*args, **kwargs)
+        await tier.start()
+        return tier
+
+    async def start(self) -> None:  # noqa: B027 - nothing to open by default
+        """Open what the tier needs (connections, files, threads). Raises BackendError
+        when a server cannot be reached, ConfigError when the settings cannot work."""
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, this tier holds (stops at the first miss).
+
+        Raises BackendError when the tier itself cannot answer (see module docstring).
+        """
+
+    def contains_now(self, keys: Sequence[ChunkKey]) -> int | None:
+        """``contains`` answered from in-process state, without I/O, from any thread.
+
+        Tiers with an in-memory index (CPU, disk) answer here, so a lookup that only
+        touches them costs no hop to the event loop; None (the default) means "ask me
+        asynchronously". Must not block and must tolerate concurrent mutation by the
+        loop thread (plain dict membership tests do, under the GIL).
+        """
+        return None
+
+    async def get_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Read each chunk into its buffer; the encoded length per key, or None for a miss.
+
+        Buffers are the cache's slabs, sized for its chunks: a chunk larger than its
+        buffer can never be served and is removed like any unservable one. Chunks are
+        validated as :meth:`read_chunks` says.
+        """
+        sizes, _ = await self._read_validated(keys, buffers)
+        return sizes
+
+    async def read_chunks(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[DecodedChunk | None]:
+        """Read each chunk into its buffer and decode it there (zero-copy), or None.
+
+        Chunks are validated here, once for every backend and once per read: the header
+        always (its checksum, and that it is the chunk asked for), the payload checksum
+        when the tier ``verify_reads``. A corrupt, truncated or misplaced chunk is
+        deleted, counted in ``stats.corrupt`` and returned as None.
+        """
+        _, chunks = await self._read_validated(keys, buffers)
+        return chunks
+
+    async def _read_validated(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> tuple[list[int | None], list[DecodedChunk | None]]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        sizes = await self._read_into(keys, buffers)
+        chunks: list[DecodedChunk | None] = [None] * len(keys)
+        bad: list[ChunkKey] = []
+        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            if size is None:
+                continue
+            if size < 0:
+                self.stats.unservable += 1
+            else:
+                try:
+                    data = buffers[index][:size]
+                    chunks[index] = decode_as(key, data, verify=self.properties.verify_reads)
+                    continue
+                except CorruptChunk as exc:
+                    logger.debug("chunk %s failed validation: %s", key.hex(), exc)
+                    self.stats.corrupt += 1
+            bad.append(key)
+            sizes[index] = None
+        if bad:
+            logger.warning("%s: %d corrupt or unservable chunk(s) deleted", self.name, len(bad))
+            await self.delete(bad)
+        hits = sum(size is not None for size in sizes)
+        self.stats.hits += hits
+        self.stats.misses += len(keys) - hits
+        self.stats.bytes_read += sum(size for size in sizes if size is not None)
+        return sizes, chunks
+
+    @abstractmethod
+    async def _read_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Backend read: raw bytes of each chunk into its buffer; its length, None (absent
+        or failed) or :data:`UNSERVABLE` (present, never servable: larger than the buffer,
+        of the wrong type). Validation and hit/miss counting are the caller's."""
+
+    @abstractmethod
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
+        """Store encoded chunks (atomically each: a reader sees all of a chunk or none).
+
+        Returns how many were stored; failures are counted, never raised.
+        """
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove chunks; returns how many were present."""
+
+    async def close(self) -> None:  # noqa: B027 - a no-op is the right default
+        """Release connections, threads and files. Idempotent."""

@@ -1,0 +1,137 @@
+"""Background writes below the CPU tier: one bounded queue and one writer per tier.
+
+A chunk stored (or promoted, or evicted toward a write-back tier) is queued for each
+tier that should receive it, holding a *write lease* on its slab
+(:meth:`~lmtier.storage.cpu_tier.CPUTier.share_for_write`: it keeps the slab alive, not
+the chunk cached). A full queue drops the write and counts it (``queue_drops``):
+inference never waits on storage. Each tier's writer hands it batches sized by a
+:class:`~lmtier.storage.pacing.BatchPacer` (so a slow tier still takes writes), through
+the tier's :class:`~lmtier.storage.guard.TierGuard`. A write that fails, is skipped by
+the breaker or times out is dropped and counted; the chunk stays in the tiers above.
+Its write leases go back only when its I/O is over (an abandoned write may still be
+reading the slab).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lmtier.chunks.keys import ChunkKey
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.guard import TierGuard
+from lmtier.storage.memory import SlabHandle
+from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.tier import Tier
+
+__all__ = ["CLOSE_FLUSH_S", "BackgroundWrites"]
+
+logger = logging.getLogger(__name__)
+
+CLOSE_FLUSH_S = 30.0
+"""How long :meth:`BackgroundWrites.close` waits for queued writes; what is still
+queued then is dropped (and counted). Call ``flush()`` first to wait for all."""
+
+
+@dataclass(slots=True)
+class _Write:
+    key: ChunkKey
+    handle: SlabHandle
+    size: int
+
+
+class BackgroundWrites:
+    """The write queues and writers of a StorageManager's byte tiers. Loop-only."""
+
+    def __init__(self, memory: CPUTier, guards: Sequence[TierGuard]) -> None:
+        self.memory = memory
+        self.guards = {guard.tier.name: guard for guard in guards}
+        self.pacers = {name: BatchPacer(guard.timeout_s) for name, guard in self.guards.items()}
+        self._queues: dict[str, asyncio.Queue[_Write]] = {}
+        self._writers: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    def start(self) -> None:
+        """Start one writer per tier. Call once, on the runtime's loop."""
+        for name, guard in self.guards.items():
+            queue: asyncio.Queue[_Write] = asyncio.Queue(guard.tier.properties.queue_depth)
+            self._queues[name] = queue
+            task = self._writer(guard, queue, self.pacers[name])
+            self._writers.append(asyncio.create_task(task, name=f"lmtier-writer-{name}"))
+
+    def enqueue(self, tier: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+        """Queue a write of the chunk in ``handle``'s slab to ``tier`` (a write lease of
+        its own: the caller keeps its lease); dropped and counted when the queue is full."""
+        queue = self._queues.get(tier.name)
+        if queue is None or self._closed:
+            return
+        if queue.full():
+            tier.stats.queue_drops += 1
+            return
+        queue.put_nowait(_Write(key, self.memory.share_for_write(handle), size))
+
+    def depth(self, tier: Tier) -> int | None:
+        """Writes waiting for ``tier`` (None: it has no queue)."""
+        queue = self._queues.get(tier.name)
+        return None if queue is None else queue.qsize()
+
+    async def _writer(
+        self, guard: TierGuard, queue: asyncio.Queue[_Write], pacer: BatchPacer
+    ) -> None:
+        tier, chunk_bytes = guard.tier, self.memory.pool.slab_bytes
+        while True:
+            batch = [await queue.get()]
+            limit = pacer.size(chunk_bytes, MAX_CHUNKS)
+            while len(batch) < limit and not queue.empty():
+                batch.append(queue.get_nowait())
+            items = [(w.key, w.handle.view[: w.size]) for w in batch]
+            num_bytes = sum(w.size for w in batch)
+            started = time.perf_counter()
+            try:
+                # Bound now, not looked up when called: an abandoned write settles
+                # after this loop has moved on to the next batch.
+                stored, timed_out = await guard.call(
+                    "put",
+                    functools.partial(tier.put, items),
+                    functools.partial(self._release, batch),
+                )
+            finally:
+                for _ in batch:
+                    queue.task_done()
+            elapsed = time.perf_counter() - started
+            tier.stats.write_latency.record(elapsed)
+            if stored is not None:
+                pacer.succeeded(num_bytes, elapsed, len(batch))
+            elif timed_out:
+                pacer.timed_out(num_bytes, len(batch))
+
+    def _release(self, batch: list[_Write]) -> None:
+        for write in batch:
+            self.memory.release_write(write.handle)
+
+    async def flush(self) -> None:
+        """Wait until every queued write has been attempted."""
+        await asyncio.gather(*(queue.join() for queue in self._queues.values()))
+
+    async def close(self) -> None:
+        """Flush (up to ``CLOSE_FLUSH_S``: a hung tier must not hold the process), stop
+        the writers, drop (and count) what is still queued. Idempotent."""
+        if self._closed:
+            return
+        try:
+            await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
+        except asyncio.TimeoutError:
+            logger.warning("close: writes still queued after %s s are dropped", CLOSE_FLUSH_S)
+        self._closed = True
+        for task in self._writers:
+            task.cancel()
+        await asyncio.gather(*self._writers, return_exceptions=True)
+        self._writers.clear()
+        for name, queue in self._queues.items():
+            while not queue.empty():
+                self.memory.release_write(queue.get_nowait().handle)
+                self.guards[name].tier.stats.queue_drops += 1

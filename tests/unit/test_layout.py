@@ -1,0 +1,88 @@
+"""The house rules of the source tree, checked on the code itself: imports point one
+way (core <- backends, connector), the core never loads what an extra installs, and
+no two modules import each other (directly or around a loop)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "lmtier": ROOT / "lmtier",
+    "lmtier_backends": ROOT / "backends" / "lmtier_backends",
+    "lmtier_connector": ROOT / "connector" / "lmtier_connector",
+}
+FORBIDDEN = {
+    "lmtier": {"lmtier_backends", "lmtier_connector", "redis", "boto3", "botocore", "vllm"}
+    | {"transformers"},
+    "lmtier_backends": {"lmtier_connector", "torch", "vllm", "transformers"},
+}
+
+
+def modules() -> Iterator[tuple[str, Path]]:
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            yield name, path
+
+
+def imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """Modules ``path`` imports (at module level only, or anywhere)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.If) and top_level_only:  # `if TYPE_CHECKING:` is no import
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize(("name", "path"), list(modules()), ids=lambda v: str(v))
+def test_imports_point_one_way(name: str, path: Path) -> None:
+    banned = FORBIDDEN.get(name.split(".")[0], set())
+    used = {module.split(".")[0] for module in imports(path, top_level_only=False)}
+    assert not used & banned, f"{name} imports {sorted(used & banned)}"
+
+
+def test_no_import_cycles() -> None:
+    known = dict(modules())
+    graph = {
+        name: {m for m in imports(path, top_level_only=True) if m in known and m != name}
+        for name, path in known.items()
+    }
+    # A package's __init__ importing its own modules is how packages export: not a cycle.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for neighbour in sorted(graph[node]):
+            if state.get(neighbour) == 1:
+                cycle = path[path.index(neighbour) :] + [neighbour]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if neighbour not in state:
+                visit(neighbour)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_modules_stay_small() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in modules()}
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
