@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -911,3 +912,53 @@ def test_a_yaml_alias_bomb_is_quoted_briefly(tmp_path: Path, env: dict[str, str]
     with pytest.raises(ConfigError) as info:
         load_config(path, env=env)
     assert len(str(info.value)) < 400
+
+
+def test_an_lmcache_config_file_is_read_when_lmtier_has_none(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    path = write_yaml(
+        tmp_path,
+        "chunk_size: 512\nlocal_cpu: true\nmax_local_cpu_size: 2\n"
+        "local_disk: 'file:///var/kv/'\nmax_local_disk_size: 10\n"
+        "remote_url: 'redis://cache:6379/0'\n",
+        name="lmcache.yaml",
+    )
+    env["LMCACHE_CONFIG_FILE"] = str(path)
+    cfg = load_config(env=env)
+    assert (cfg.chunk_size, cfg.cpu.capacity_bytes, cfg.disk.path) == (
+        512,
+        2 * GIB,
+        Path("/var/kv"),
+    )
+    assert cfg.redis.url == SecretURL("redis://cache:6379/0")
+    env["LMTIER_CONFIG"] = str(write_yaml(tmp_path, "chunk_size: 64\n"))
+    assert load_config(env=env).chunk_size == 64  # lmtier's own file wins
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("remote_serde: naive\n", "not supported by lmtier: lmtier stores one chunk format"),
+        ("enable_blending: true\n", "CacheBlend"),
+        ("save_decode_cache: true\n", "save_decode_tokens"),
+        ("chunk_sizes: 256\n", r"unknown LMCache config key 'chunk_sizes' \(did you mean"),
+    ],
+)
+def test_lmcache_keys_without_a_counterpart_say_so(
+    tmp_path: Path, env: dict[str, str], text: str, words: str
+) -> None:
+    env["LMCACHE_CONFIG_FILE"] = str(write_yaml(tmp_path, text, name="lmcache.yaml"))
+    with pytest.raises(ConfigError, match=words) as info:
+        load_config(env=env)
+    assert "lmcache.yaml" in str(info.value)
+    if "chunk_sizes" not in text:  # pasted into an lmtier file: the same answer
+        with pytest.raises(ConfigError, match="not supported by lmtier"):
+            config_from_dict(yaml.safe_load(text), env=env)
+
+
+def test_queue_depth_and_write_policy_reach_the_tier(env: dict[str, str]) -> None:
+    cfg = config_from_dict({"disk": {"write_policy": "write_back", "queue_depth": 8}}, env=env)
+    assert (cfg.disk.write_policy, cfg.disk.queue_depth) == ("write_back", 8)
+    with pytest.raises(ConfigError, match=r"^redis\.write_policy: "):
+        config_from_dict({"redis": {"write_policy": "sometimes"}}, env=env)
