@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -62,6 +62,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 _GIB = 1024**3
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WritePolicy = Literal["write_through", "write_back"]
+_S = TypeVar("_S", bound="_Section")
 
 
 # --- rules of single fields ----------------------------------------------------------
@@ -177,7 +178,8 @@ def default_disk_path(env: Mapping[str, str]) -> Path:
 
 
 class _Section(BaseModel):
-    """What every section shares: frozen, unknown keys refused, ConfigErrors."""
+    """What every section (and the whole config) shares: frozen, unknown keys refused,
+    ConfigErrors, and :meth:`replace`."""
 
     model_config = ConfigDict(
         frozen=True,
@@ -195,7 +197,7 @@ class _Section(BaseModel):
             prefix = (self.SECTION,) if self.SECTION else ()
             raise config_error(exc, model=type(self), prefix=prefix) from None
 
-    def replace(self, **changes: Any) -> Any:
+    def replace(self: _S, **changes: Any) -> _S:
         """A copy with ``changes``, checked like any construction (``model_copy`` is not)."""
         return type(self)(
             **{**{name: getattr(self, name) for name in type(self).model_fields}, **changes}
@@ -340,7 +342,7 @@ class ExtraTierConfig(_Section):
 # --- the whole configuration ---------------------------------------------------------
 
 
-class LMTierConfig(BaseModel):
+class LMTierConfig(_Section):
     """Everything lmtier needs to run, one section per tier.
 
     ``LMTierConfig()`` never reads the environment or a file:
@@ -348,14 +350,6 @@ class LMTierConfig(BaseModel):
     pydantic-settings) and overrides, at the edge.
     """
 
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        arbitrary_types_allowed=True,
-        validate_default=True,
-        use_attribute_docstrings=True,
-    )
-    SECTION: ClassVar[str] = ""
     chunk_size: Annotated[Int, _rule(chunk_size_problem)] = 256
     """Tokens per chunk: a positive multiple of 16 (the GPU block size)."""
     hash_algorithm: HashAlgorithm = "xxh3"
@@ -379,18 +373,6 @@ class LMTierConfig(BaseModel):
     """Keyed integrity of chunks on shared tiers."""
     log_level: Annotated[str, _rule(_one_of(_LOG_LEVELS, ", ".join(_LOG_LEVELS)))] = "WARNING"
     """Level of lmtier's loggers: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)."""
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except PydanticValidationError as exc:
-            raise config_error(exc, model=type(self)) from None
-
-    def replace(self, **changes: Any) -> LMTierConfig:
-        """A copy with ``changes``, checked like any construction (``model_copy`` is not)."""
-        return type(self)(
-            **{**{name: getattr(self, name) for name in type(self).model_fields}, **changes}
-        )
 
     @field_validator("hash_algorithm", mode="before")
     @classmethod

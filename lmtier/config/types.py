@@ -28,7 +28,6 @@ __all__ = [
     "MAX_BYTES",
     "Bool",
     "Count",
-    "Float",
     "Int",
     "NonEmptyText",
     "PathValue",
@@ -103,7 +102,6 @@ def _wrap(kind: type[Secret] | type[SecretURL]) -> BeforeValidator:
 
 Bool = Annotated[bool, BeforeValidator(_bool)]
 Int = Annotated[int, _from_text(int), Strict()]
-Float = Annotated[float, _from_text(float), Strict(), Field(allow_inf_nan=False)]
 PositiveFloat = Annotated[float, _from_text(float), Strict(), Field(gt=0.0, allow_inf_nan=False)]
 Text = Annotated[str, Strict()]
 NonEmptyText = Annotated[str, Strict(), AfterValidator(_non_empty)]
