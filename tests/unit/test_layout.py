@@ -50,8 +50,12 @@ def imports(path: Path, *, top_level_only: bool) -> set[str]:
 @pytest.mark.parametrize(("name", "path"), list(modules()), ids=str)
 def test_imports_point_one_way(name: str, path: Path) -> None:
     banned = FORBIDDEN.get(name.split(".", maxsplit=1)[0], set())
-    used = {module.split(".")[0] for module in imports(path, top_level_only=False)}
+    found = imports(path, top_level_only=False)
+    used = {module.split(".")[0] for module in found}
     assert not used & banned, f"{name} imports {sorted(used & banned)}"
+    if name.startswith("lmtier_connector"):  # engines use the facade: the one door
+        inside = sorted(m for m in found if m.startswith("lmtier.storage"))
+        assert inside == [], f"{name} reaches into {inside}; import it from lmtier"
 
 
 def test_no_import_cycles() -> None:

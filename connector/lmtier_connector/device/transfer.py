@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmtier import SlabHandle
 from lmtier.chunks.format import ChunkMeta, DecodedChunk
 from lmtier.kv_spec import chunk_tensor, payload_tensor, seal_slab
-from lmtier.storage.memory import SlabHandle
 from lmtier_connector.device.paged_kv import PagedKVCache, as_3d, bit_view, split_tokens
 
 __all__ = [
