@@ -21,7 +21,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -103,7 +102,7 @@ def main() -> None:
     with LMTier.open(base, kv=spec, **ident) as cache:
         CachedCausalLM(model, cache).prefill(ids[:PREFIX])
     # Two caches on the same files: CPU tier + disk, and disk alone (CPU tier off).
-    disk_only = replace(base, cpu=CPUTierConfig(enabled=False))
+    disk_only = base.replace(cpu=CPUTierConfig(enabled=False))
     with (
         LMTier.open(base, kv=spec, **ident) as cpu_cache,
         LMTier.open(disk_only, kv=spec, **ident) as disk_cache,

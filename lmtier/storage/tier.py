@@ -137,7 +137,7 @@ class Tier(ABC):
         buffer can never be served and is removed like any unservable one. Chunks are
         validated as :meth:`read_chunks` says.
         """
-        sizes, _ = await self._read_validated(keys, buffers)
+        sizes, _ = await self._read_validated(keys, buffers, decode=self.properties.verify_reads)
         return sizes
 
     async def read_chunks(
@@ -150,12 +150,13 @@ class Tier(ABC):
         when the tier ``verify_reads``. A corrupt, truncated or misplaced chunk is
         deleted, counted in ``stats.corrupt`` and returned as None.
         """
-        _, chunks = await self._read_validated(keys, buffers)
+        _, chunks = await self._read_validated(keys, buffers, decode=True)
         return chunks
 
     async def _read_validated(
-        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview], *, decode: bool
     ) -> tuple[list[int | None], list[DecodedChunk | None]]:
+        """Read; decode (and check) each chunk when ``decode`` or the tier verifies."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         sizes = await self._read_into(keys, buffers)
@@ -166,6 +167,8 @@ class Tier(ABC):
                 continue
             if size < 0:
                 self.stats.unservable += 1
+            elif not decode:
+                continue  # memory this process wrote and checked (get_into, no checks asked)
             else:
                 try:
                     data = buffers[index][:size]
