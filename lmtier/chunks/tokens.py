@@ -14,6 +14,7 @@ never load torch (storage backends, the CLI).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -92,6 +93,9 @@ def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
         )
     if len(tokens) == 0:
         return np.empty(0, dtype=np.int64)
+    fast = _from_ints(tokens)
+    if fast is not None:
+        return fast
     try:
         # np.array builds int64 straight from Python ints; floats, bools and mixed
         # inputs come out with another dtype and are rejected by the caller.
@@ -114,6 +118,33 @@ def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
                     f"position {index}"
                 )
     return array
+
+
+def _from_ints(tokens: Sequence[Any]) -> npt.NDArray[np.int64] | None:
+    """``tokens`` as int64 through ``array('Q')``, or None to take the general path.
+
+    Building an unsigned 64-bit ``array`` is the fastest conversion of Python ints
+    measured here (~4.5 ns a token for 32k, vs ~11 for ``array('q')`` or
+    ``np.fromiter`` and ~17 for ``np.array``: benchmarks/bench_storage.py), and it
+    refuses what must be refused on the way: floats (TypeError), negative ids
+    (OverflowError). Ids above int64 and bools (which it takes as 0 and 1) are
+    checked after it; its other refusals fall back to the general path, which names
+    the offending element.
+    """
+    try:
+        raw = array.array("Q", tokens)
+    except (TypeError, OverflowError, ValueError, DeprecationWarning):
+        # DeprecationWarning: numpy's bools as indexes, raised where warnings are errors
+        return None
+    unsigned = np.frombuffer(raw, dtype=np.uint64)
+    high = int(unsigned.max())
+    if high > MAX_TOKEN_ID:
+        position = int(np.argmax(unsigned))
+        raise InvalidTokensError(f"token id {high} at position {position} does not fit in int64")
+    for index in np.flatnonzero(unsigned <= 1).tolist():
+        if isinstance(tokens[index], (bool, np.bool_)):
+            return None
+    return unsigned.view(np.int64)
 
 
 def _is_torch_tensor(value: object) -> bool:

@@ -10,7 +10,10 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
 * **get** serves CPU hits zero-copy (another lease on the cached slab), reads lower
   hits straight into fresh pool slabs, and promotes them: the CPU tier adopts the
   slab (no copy) and the byte tiers above the one that served it get the chunk in
-  the background. It stops at the first chunk that cannot be served. Reads go to a
+  the background. It stops at the first chunk that cannot be served. A load given
+  no lookup does not make one: it reads each tier directly for what the tiers above
+  did not serve (a miss answers like a lookup), so a remote tier costs one round trip
+  per batch, not a lookup's and then a read's. Reads go to a
   tier in batches sized by :mod:`lmtier.storage.pacing`, one after another, so that a slow
   but healthy tier serves a long prompt batch by batch instead of timing out whole.
 * **checks**: every chunk served, from any tier, host memory included, must be the
@@ -67,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Timeout of a tier call when the tier declares none: even a local disk can hang."""
+SPECULATIVE_FIRST = 1
+"""Chunks in the first read of a tier asked without a lookup (see ``_get_walking``)."""
 ABANDONED_WAIT_S = 2.0
 """How long :meth:`StorageManager.close` waits for abandoned calls to finish their I/O."""
 
@@ -180,12 +185,17 @@ class StorageManager:
     ) -> list[LoadedChunk]:
         """Load the leading chunks of ``keys`` that can be served, in order.
 
-        The result may be shorter than ``lookup.num_chunks`` when a chunk vanished,
-        failed a check, or its tier was too slow since the lookup; it never has a gap.
+        With the ``lookup`` just made for these keys, each span is read from the tier
+        it names. Without one, the load is its own walk (:meth:`_get_walking`): no
+        lookup round trips before the reads. The result may be shorter than a lookup
+        said when a chunk vanished, failed a check, or its tier was too slow since;
+        it never has a gap.
         """
-        lookup = lookup if lookup is not None else await self.lookup(keys)
         loaded: list[LoadedChunk] = []
         try:
+            if lookup is None:
+                await self._get_walking(keys, loaded)
+                return loaded
             for span in lookup.spans:
                 span_keys = keys[span.start : span.stop]
                 if span.tier == self.memory.name:
@@ -200,6 +210,32 @@ class StorageManager:
                 chunk.release()
             raise
         return loaded
+
+    async def _get_walking(self, keys: Sequence[ChunkKey], loaded: list[LoadedChunk]) -> None:
+        """The waterfall as reads: each tier serves what it can of the keys the tiers
+        above did not, from the first on; the next tier gets the rest.
+
+        A tier with an in-memory index (``contains_now``) is read only for the keys it
+        says it holds, and skipped without I/O when it holds none. Any other tier is
+        read directly, a miss answering as a lookup would (a GET costs what a HEAD or
+        EXISTS does, and a hit needs the GET anyway): one round trip per batch instead
+        of a lookup's plus the read's. Its first batch is small
+        (``SPECULATIVE_FIRST``), so a tier that holds none of the keys costs one
+        request and one slab, not a batch of them.
+        """
+        loaded.extend(await self._get_from_memory(keys))
+        for tier in self.tiers:
+            rest = keys[len(loaded) :]
+            if not rest:
+                return
+            known = tier.contains_now(rest)
+            if known == 0:
+                continue
+            if known is not None:
+                chunks = await self._get_from_tier(tier, rest[:known])
+            else:
+                chunks = await self._get_from_tier(tier, rest, first=SPECULATIVE_FIRST)
+            loaded.extend(chunks)
 
     async def _get_from_memory(self, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
         chunks: list[LoadedChunk] = []
@@ -218,11 +254,17 @@ class StorageManager:
             chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
         return chunks
 
-    async def _get_from_tier(self, tier: Tier, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
+    async def _get_from_tier(
+        self, tier: Tier, keys: Sequence[ChunkKey], *, first: int | None = None
+    ) -> list[LoadedChunk]:
+        """The leading chunks of ``keys`` that ``tier`` serves, read in paced batches
+        (the first of at most ``first`` chunks when given)."""
         pacer = self._read_pacers[tier.name]
         chunks: list[LoadedChunk] = []
         while len(chunks) < len(keys):
             count = pacer.size(self._chunk_bytes, len(keys) - len(chunks))
+            if first is not None and not chunks:
+                count = min(count, first)
             handles = self.acquire_slabs(count)
             if not handles:
                 break  # every slab is in use by readers: serve what fits

@@ -117,8 +117,15 @@ def test_input_types_give_equal_keys() -> None:
         ids.astype(np.int64),
         torch.from_numpy(ids),
         torch.from_numpy(ids).to(torch.int32),
+        list(ids),  # numpy scalars in a list
     ):
         assert chunk_keys(variant, NS) == expected
+
+
+def test_lists_of_wide_ids_hash_as_their_arrays_do() -> None:
+    # A list goes through array("Q"), an array through numpy: same canonical ids.
+    ids = [0, 1, 2**31, 2**40, 2**63 - 1, *range(CHUNK)]
+    assert chunk_keys(ids, NS) == chunk_keys(np.array(ids, dtype=np.int64), NS)
 
 
 def test_keys_are_namespace_plus_full_128_bit_chain() -> None:
@@ -158,6 +165,8 @@ def test_extra_keys_change_only_the_chunks_they_touch() -> None:
         ([1, 2.5, 3], "integers"),
         ([True, False], "integers"),
         ([1, 2**64], "int64"),
+        ([1, 2**63], "int64"),
+        ([0, 1, np.True_], "integers"),
         ([[1, 2], [3, 4]], "1-D"),
         ("1 2 3", "not str"),
         (np.array([1.0, 2.0]), "integers"),
