@@ -313,12 +313,13 @@ class LMTier:
         integrity key is configured. Returns the encoded length, for :meth:`put_encoded`."""
         return seal_slab(handle, meta, self._sign)
 
-    def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
+    def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
         """Store chunks already encoded in slabs (``(key, lease, encoded length)``); takes
-        ownership of each lease. The CPU tier adopts them now, lower tiers in the background."""
+        ownership of each lease. The CPU tier adopts them now, lower tiers in the
+        background. Returns how many every write-through tier's queue took (the rest
+        were dropped there, and counted in its ``queue_drops``)."""
         manager = self._require()
-        if encoded:
-            self._runtime.call(manager.put_many, encoded)
+        return self._runtime.call(manager.put_many, encoded) if encoded else 0
 
     def load(
         self,
@@ -348,6 +349,10 @@ class LMTier:
     ) -> int:
         """Store the full chunks of ``tokens`` not cached yet; returns how many were stored.
 
+        Stored means: in the CPU tier (when it is on) and queued for every
+        write-through tier; a chunk a full write queue refused is not counted (see
+        ``stats()[tier]["queue_drops"]``). Writes that later fail in the background
+        are counted in the tier's ``errors``; :meth:`flush` waits for them.
         ``kv`` holds the KV of (at least) every full chunk: one tensor shaped
         ``kv_spec.shape(n)``, or one (K, V) pair per layer shaped (n, heads, dim),
         with ``n >= len(keys) * chunk_size``, on any device, of the spec's dtype.
@@ -392,8 +397,7 @@ class LMTier:
                 for handle in handles:
                     handle.release()
                 raise
-            self.put_encoded(encoded)
-            stored += len(encoded)
+            stored += self.put_encoded(encoded)
             if len(handles) < len(batch):
                 break  # the pool is exhausted by readers and pending writes: drop the rest
         return stored

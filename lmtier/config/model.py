@@ -40,6 +40,7 @@ from lmtier.config.types import (
     config_error,
 )
 from lmtier.errors import ConfigError, brief
+from lmtier.storage.tier import DEFAULT_QUEUE_DEPTH
 
 __all__ = [
     "MAX_CHUNK_SIZE",
@@ -210,9 +211,10 @@ class _ByteTierSection(_Section):
     write_policy: WritePolicy = "write_through"
     """``write_through``: every new chunk is written here in the background;
     ``write_back``: only chunks the CPU tier evicts are."""
-    queue_depth: Count = 256
+    queue_depth: Count = DEFAULT_QUEUE_DEPTH
     """Chunks that may wait for a background write here before new ones are dropped
-    (and counted) rather than delaying inference."""
+    (and counted) rather than delaying inference; at most half the host pool's slabs
+    are used, whatever this says (queued writes hold their slabs)."""
 
 
 class CPUTierConfig(_Section):

@@ -355,23 +355,27 @@ class StorageManager:
 
     # ---- put --------------------------------------------------------------------
 
-    def put(self, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+    def put(self, key: ChunkKey, handle: SlabHandle, size: int) -> bool:
         """Store a chunk encoded in ``handle``'s slab; takes ownership of that lease.
 
         The CPU tier adopts it now; write-through tiers get it in the background.
+        Returns whether every write-through tier's queue took it: False when a full
+        queue dropped it for some tier (counted there in ``queue_drops``), so that a
+        caller never reports as stored a chunk that a tier will not receive.
         """
         if self._closed:
             handle.release()
             raise CacheClosedError("put on a closed StorageManager")
+        queued = True
         for tier in self.tiers:
             if tier.properties.write_policy == "write_through":
-                self.writes.enqueue(tier, key, handle, size)
+                queued = self.writes.enqueue(tier, key, handle, size) and queued
         self.memory.adopt(key, handle, size)
+        return queued
 
-    def put_many(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
-        """:meth:`put` each ``(key, lease, encoded length)``."""
-        for key, handle, size in encoded:
-            self.put(key, handle, size)
+    def put_many(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
+        """:meth:`put` each ``(key, lease, encoded length)``; how many every tier took."""
+        return sum(self.put(key, handle, size) for key, handle, size in encoded)
 
     def add_evict_listener(self, callback: EvictListener) -> None:
         """Call ``callback(key)`` for every chunk the CPU tier evicts from now on, in

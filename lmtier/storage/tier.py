@@ -50,7 +50,7 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import CorruptChunk
 from lmtier.storage.stats import TierStats
 
-__all__ = ["UNSERVABLE", "Buffer", "Tier", "TierProperties", "WritePolicy"]
+__all__ = ["DEFAULT_QUEUE_DEPTH", "UNSERVABLE", "Buffer", "Tier", "TierProperties", "WritePolicy"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 
 WritePolicy = Literal["write_through", "write_back"]
 _T = TypeVar("_T", bound="Tier")
+
+DEFAULT_QUEUE_DEPTH = 4096
+"""Background writes a tier may have waiting (at most half the host pool's slabs: see
+:mod:`lmtier.storage.writes`): a burst of several 128k-token prompts, not 256 chunks."""
 
 UNSERVABLE = -1
 """What ``Tier._read_into`` returns for a chunk that is present but can never be
@@ -74,7 +78,7 @@ class TierProperties:
     ``write_through`` receives every new chunk in the background; ``write_back``
     receives a chunk only when the memory tier evicts it. ``queue_depth``: chunks that
     may wait for a background write before new ones are dropped (and counted) rather
-    than blocking inference.
+    than blocking inference (capped at half the host pool's slabs).
     ``verify_reads``: validate every chunk read (checksums); only a tier holding
     memory this process wrote and validated on entry may turn it off.
     ``timeout_s``: how long one call may take before it counts as a failure (None:
@@ -83,7 +87,7 @@ class TierProperties:
 
     shared: bool = False
     write_policy: WritePolicy = "write_through"
-    queue_depth: int = 256
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
     verify_reads: bool = True
     timeout_s: float | None = None
 

@@ -57,22 +57,27 @@ class BackgroundWrites:
 
     def start(self) -> None:
         """Start one writer per tier. Call once, on the runtime's loop."""
+        # A queue's writes hold slabs; half the pool stays for caching and loads.
+        most = max(1, self.memory.pool.num_slabs // 2)
         for name, guard in self.guards.items():
-            queue: asyncio.Queue[_Write] = asyncio.Queue(guard.tier.properties.queue_depth)
+            depth = min(guard.tier.properties.queue_depth, most)
+            queue: asyncio.Queue[_Write] = asyncio.Queue(depth)
             self._queues[name] = queue
             task = self._writer(guard, queue, self.pacers[name])
             self._writers.append(asyncio.create_task(task, name=f"lmtier-writer-{name}"))
 
-    def enqueue(self, tier: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+    def enqueue(self, tier: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> bool:
         """Queue a write of the chunk in ``handle``'s slab to ``tier`` (a write lease of
-        its own: the caller keeps its lease); dropped and counted when the queue is full."""
+        its own: the caller keeps its lease). False when it was not queued: the queue is
+        full (counted in ``queue_drops``) or the writes are closed."""
         queue = self._queues.get(tier.name)
         if queue is None or self._closed:
-            return
+            return False
         if queue.full():
             tier.stats.queue_drops += 1
-            return
+            return False
         queue.put_nowait(_Write(key, self.memory.share_for_write(handle), size))
+        return True
 
     def depth(self, tier: Tier) -> int | None:
         """Writes waiting for ``tier`` (None: it has no queue)."""

@@ -190,3 +190,30 @@ def test_disk_full_never_fails_a_request(tmp_path: Path) -> None:
         assert not any((mount / "v1" / "tmp").iterdir())
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_store_counts_only_chunks_every_tier_will_receive(tmp_path: Path) -> None:
+    # One store call queues its chunks on the loop in one go: a write queue of 2 takes
+    # 2 of the 8, and the result says so instead of claiming all 8.
+    cfg = config(tmp_path).replace(disk=DiskTierConfig(path=tmp_path / "disk", queue_depth=2))
+    tokens, kv = list(range(8 * CHUNK)), kv_for(8 * CHUNK)
+    with LMTier.open(cfg, kv=SPEC, model_id="m") as cache:
+        assert cache.store(tokens, kv) == 2
+        cache.flush()
+        stats = cache.stats()
+        assert stats["disk"]["queue_drops"] == 6
+        assert stats["disk"]["puts"] == 2
+        # All 8 are in host memory; the 6 the disk never got are stored again next time.
+        assert cache.lookup(tokens).num_tokens == 8 * CHUNK
+
+
+def test_write_queues_never_hold_more_than_half_the_host_pool(tmp_path: Path) -> None:
+    four = 4 * (SLAB + 4096)
+    cfg = config(tmp_path).replace(
+        cpu=CPUTierConfig(capacity_bytes=four, staging_bytes=four),
+        disk=DiskTierConfig(path=tmp_path / "disk", queue_depth=10_000),
+    )
+    with LMTier.open(cfg, kv=SPEC, model_id="m") as cache:
+        slabs = cache.host_memory().slabs
+        assert slabs <= 16  # one store batch: its chunks are queued in one go
+        assert cache.store(list(range(slabs * CHUNK)), kv_for(slabs * CHUNK)) == slabs // 2
