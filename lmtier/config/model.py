@@ -279,7 +279,15 @@ class RedisTierConfig(_ByteTierSection):
     refresh_ttl_on_hit: Bool = False
     """Reset the TTL when a chunk is read."""
     timeout_s: PositiveFloat = 0.5
-    """Seconds a Redis call may make no progress before it counts as a miss."""
+    """Seconds a Redis call may go without moving a byte before it counts as a miss (a
+    hung server), and the fixed part of every call's deadline."""
+    min_bytes_per_s: Size = 64 * 1024**2
+    """Slowest transfer counted as healthy: a call's deadline is ``timeout_s`` plus its
+    bytes at this rate (a 512-chunk load of 2 MiB chunks: 0.5 s + 16 s), so large
+    batches are not lost on a busy machine; a hang still ends a call after ``timeout_s``.
+    0: every call gets ``timeout_s``, whatever its size."""
+    lookup_key_s: PositiveFloat = 0.0001
+    """Seconds added to a lookup's deadline per key asked about."""
     max_connections: Count = 16
     """Size of the connection pool."""
 
@@ -304,7 +312,17 @@ class S3TierConfig(_ByteTierSection):
     ttl_s: PositiveFloat | None = None
     """Seconds after which lmtier treats an object as expired; None never."""
     timeout_s: PositiveFloat = 2.0
-    """Seconds an S3 call may take before it counts as a miss."""
+    """Seconds an S3 call may go without an answer or a byte moving before it counts as
+    a miss (a hung endpoint), the fixed part of every call's deadline, and botocore's
+    connect and read timeouts."""
+    min_bytes_per_s: Size = 16 * 1024**2
+    """Slowest transfer counted as healthy: a call's deadline is ``timeout_s`` plus its
+    bytes at this rate (a 512-chunk load of 2 MiB chunks: 2 s + 64 s), so large
+    batches are not lost on a busy machine; a hang still ends a call after ``timeout_s``.
+    0: every call gets ``timeout_s``, whatever its size."""
+    lookup_key_s: PositiveFloat = 0.01
+    """Seconds added to a lookup's deadline per key asked about (one HEAD each,
+    ``max_concurrency`` at a time: moto on a loaded 2-core machine answers ~200/s)."""
     max_concurrency: Count = 16
     """S3 requests in flight at once."""
 

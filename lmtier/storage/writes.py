@@ -6,7 +6,8 @@ tier that should receive it, holding a *write lease* on its slab
 the chunk cached). A full queue drops the write and counts it (``queue_drops``):
 inference never waits on storage. Each tier's writer hands it batches sized by a
 :class:`~lmtier.storage.pacing.BatchPacer` (so a slow tier still takes writes), through
-the tier's :class:`~lmtier.storage.guard.TierGuard`. A write that fails, is skipped by
+the tier's :class:`~lmtier.storage.guard.TierGuard`, whose deadline for a batch grows
+with its bytes (:mod:`lmtier.storage.budget`). A write that fails, is skipped by
 the breaker or times out is dropped and counted; the chunk stays in the tiers above.
 Its write leases go back only when its I/O is over (an abandoned write may still be
 reading the slab).
@@ -50,7 +51,7 @@ class BackgroundWrites:
     def __init__(self, memory: CPUTier, guards: Sequence[TierGuard]) -> None:
         self.memory = memory
         self.guards = {guard.tier.name: guard for guard in guards}
-        self.pacers = {name: BatchPacer(guard.timeout_s) for name, guard in self.guards.items()}
+        self.pacers = {name: BatchPacer(guard.budget) for name, guard in self.guards.items()}
         self._queues: dict[str, asyncio.Queue[_Write]] = {}
         self._writers: list[asyncio.Task[None]] = []
         self._closed = False
@@ -103,6 +104,7 @@ class BackgroundWrites:
                     "put",
                     functools.partial(tier.put, items),
                     functools.partial(self._release, batch),
+                    num_bytes=num_bytes,
                 )
             finally:
                 for _ in batch:

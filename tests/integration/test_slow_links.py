@@ -60,8 +60,9 @@ def test_late_s3_reads_never_reach_another_tenants_slabs(
             s3=S3TierConfig(bucket="slow", endpoint_url=endpoint, timeout_s=timeout_s),
         )
 
-    # Stored over the direct link with a generous timeout: a loaded machine is slow too.
-    with LMTier.open(config(s3_server.endpoint, 64, 30), kv=spec, model_id="m") as fast:
+    # Stored over the direct link with a generous timeout: a loaded machine is slow too;
+    # a pool of twice the prompt, since queued writes may hold at most half of it.
+    with LMTier.open(config(s3_server.endpoint, 96, 30), kv=spec, model_id="m") as fast:
         assert fast.store(prompt_a, kv_a, cache_salt="tenant-a") == 48
         fast.flush()
         assert fast.stats()["s3"]["puts"] == 48
@@ -74,7 +75,8 @@ def test_late_s3_reads_never_reach_another_tenants_slabs(
         with cache.load(prompt_a, cache_salt="tenant-a") as hit:
             assert hit.num_tokens < 48 * chunk  # the slow link could not serve it in time
         # Tenant B's store takes every free slab at once, while A's reads still land.
-        assert cache.store(prompt_b, kv_b, cache_salt="tenant-b") == 48
+        # (It counts only what S3's write queue took: at most half the pool.)
+        assert 0 < cache.store(prompt_b, kv_b, cache_salt="tenant-b") <= 48
         wait_until_no_call_in_flight(cache, "s3")
         with cache.load(prompt_b, cache_salt="tenant-b") as hit:
             assert hit.tokens_by_tier() == {"cpu": 48 * chunk}

@@ -42,8 +42,11 @@ Failures: a refused, reset or timed-out connection raises
 StorageManager's breaker sees it; when part of a batch succeeded, the rest are misses
 (or unstored chunks) counted in ``stats.errors``. Reads (GET, EXISTS) retry a lost
 connection twice with exponential backoff (5 ms, 10 ms); writes are never retried.
-A call that sees no progress for ``timeout_s`` fails with BackendTimeout; the
-StorageManager bounds whole calls with the same ``timeout_s``. The URL's password
+A command that sees no progress for ``timeout_s`` fails with BackendTimeout. The
+StorageManager bounds whole calls by the tier's ``budget``: ``timeout_s`` plus the
+call's bytes at ``min_bytes_per_s`` (plus ``lookup_key_s`` per key looked up), and
+gives up on a call once ``io_progress`` (ticked whenever bytes move on any
+connection) has stood still for ``timeout_s`` (:mod:`lmtier.storage.budget`). The URL's password
 never appears in logs, reprs or messages (:func:`lmtier.config.secrets.redact_url`).
 
 Stats: ``lookups``, ``puts``, ``bytes_written``, and ``errors`` for failures the tier
@@ -74,6 +77,7 @@ from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey, split_key
 from lmtier.config import RedisTierConfig
 from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, ConfigError
+from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, Rule, settle
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties, WritePolicy
@@ -115,6 +119,8 @@ class RedisTier(Tier):
         ttl_s: float | None = None,
         refresh_ttl_on_hit: bool = False,
         timeout_s: float = 0.5,
+        min_bytes_per_s: float = 64 * 1024**2,
+        lookup_key_s: float = 0.0001,
         max_connections: int = 16,
         cluster: bool | None = None,
         read_retries: int = 2,
@@ -144,6 +150,10 @@ class RedisTier(Tier):
         """TTL set by every SET (and renewed by hits with ``refresh_ttl_on_hit``)."""
         self.refresh_ttl_on_hit = refresh_ttl_on_hit
         self.timeout_s = timeout_s
+        self.budget = CallBudget(timeout_s, min_bytes_per_s or None, lookup_key_s)
+        """The deadline of each call, read by the StorageManager's guard."""
+        self.io_progress = Progress()
+        """Ticked whenever bytes move on any connection: a hung server stops it."""
         self.max_connections = max_connections
         self.cluster = cluster
         """Cluster mode as asked: True, False, or None (detect at open)."""
@@ -315,7 +325,9 @@ class RedisTier(Tier):
     ) -> list[Reply]:
         request = pack_key_commands(command, names)
         async with self._permit(), route.connection(node) as conn:
-            return await exchange(conn, [request], len(names), timeout=self.timeout_s)
+            return await exchange(
+                conn, [request], len(names), timeout=self.timeout_s, meter=self.io_progress
+            )
 
     async def _integer(self, route: Route, command: bytes, name: bytes, reply: Reply) -> int:
         """The integer reply of ``command name``, following a cluster redirect."""
@@ -336,7 +348,9 @@ class RedisTier(Tier):
 
         async def attempt() -> Reply:
             async with self._permit(), route.connection(route.node_of(name)) as conn:
-                (reply,) = await exchange(conn, command, 1, [sink], timeout=self.timeout_s)
+                (reply,) = await exchange(
+                    conn, command, 1, [sink], timeout=self.timeout_s, meter=self.io_progress
+                )
             return reply
 
         await route.refresh()
@@ -374,7 +388,9 @@ class RedisTier(Tier):
             args += ("PX", self.ttl_ms)
         await route.refresh()
         async with self._permit(), route.connection(route.node_of(name)) as conn:
-            (reply,) = await exchange(conn, pack_command(*args), 1, timeout=self.timeout_s)
+            (reply,) = await exchange(
+                conn, pack_command(*args), 1, timeout=self.timeout_s, meter=self.io_progress
+            )
         if reply == b"+OK":
             return True
         if self._redirected(route, reply):
@@ -438,6 +454,8 @@ async def open_tier(config: RedisTierConfig) -> RedisTier:
         ttl_s=config.ttl_s,
         refresh_ttl_on_hit=config.refresh_ttl_on_hit,
         timeout_s=config.timeout_s,
+        min_bytes_per_s=config.min_bytes_per_s,
+        lookup_key_s=config.lookup_key_s,
         max_connections=config.max_connections,
         write_policy=config.write_policy,
         queue_depth=config.queue_depth,

@@ -54,6 +54,8 @@ from redis.exceptions import DataError, InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
+from lmtier.storage.budget import Progress
+
 __all__ = [
     "Reply",
     "ZeroCopyConnection",
@@ -210,10 +212,16 @@ class _Exchange(asyncio.BufferedProtocol):
     (no arrays: GET/SET/EXISTS/DEL answer with one line or one bulk string each)."""
 
     def __init__(
-        self, original: asyncio.BaseProtocol, num_replies: int, sinks: Sequence[memoryview | None]
+        self,
+        original: asyncio.BaseProtocol,
+        num_replies: int,
+        sinks: Sequence[memoryview | None],
+        meter: Progress | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.original = original
+        self.meter = meter
+        """The tier's I/O progress, ticked whenever bytes move (the guard's view)."""
         self.done: asyncio.Future[None] = loop.create_future()
         self.replies: list[Reply] = []
         self.progress = 0
@@ -262,6 +270,8 @@ class _Exchange(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.progress += 1
+        if self.meter is not None:
+            self.meter.tick()
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._drained = None
@@ -291,6 +301,8 @@ class _Exchange(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.progress += nbytes
+        if self.meter is not None:
+            self.meter.tick()
         if self._sink is not None and self._bulk_left and self._start == self._end:
             self._sink_at += nbytes
             self._bulk_left -= nbytes
@@ -409,10 +421,13 @@ async def exchange(
     num_replies: int,
     sinks: Sequence[memoryview | None] = (),
     timeout: float | None = None,
+    *,
+    meter: Progress | None = None,
 ) -> list[Reply]:
     """Send ``pieces`` (packed commands) on ``connection`` and read ``num_replies`` flat
     replies; bulk reply ``i`` lands in ``sinks[i]`` when it fits (else it is discarded
-    and only its length returned).
+    and only its length returned). ``timeout``: fail after that long without a byte
+    moving; ``meter`` is ticked whenever bytes move.
 
     Raises redis ``ConnectionError`` / ``TimeoutError`` / ``InvalidResponse``; after any
     exception the connection's socket is aborted and the caller must disconnect it.
@@ -422,7 +437,7 @@ async def exchange(
         raise RedisConnectionError("connection is not open")
     transport = writer.transport
     original = transport.get_protocol()
-    proto = _Exchange(original, num_replies, sinks)
+    proto = _Exchange(original, num_replies, sinks, meter)
     transport.set_protocol(proto)
     # pause_writing as soon as anything is queued (TLS transports pause at size >= high,
     # plain ones at size > high: high=0 would pause a TLS writer forever)

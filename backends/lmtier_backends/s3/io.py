@@ -43,6 +43,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import S3TierConfig
 from lmtier.errors import BackendTimeout, BackendUnavailable, ConfigError
+from lmtier.storage.budget import Progress
 from lmtier.storage.failures import Rule
 
 __all__ = [
@@ -58,6 +59,10 @@ __all__ = [
 
 _READ_BLOCK = 1 << 20
 """Bytes per ``read`` on the fallback (copying) GET path."""
+_READINTO_BLOCK = 256 << 10
+"""Most bytes per ``readinto`` on the direct GET path: a buffered readinto fills all
+it is given, and the progress meter should see a slow transfer move (256 KiB take
+0.25 s at 1 MB/s) rather than wait for a whole chunk."""
 _TRANSPORT_ERRORS = (
     HTTPClientError,
     BotoConnectionError,
@@ -168,18 +173,22 @@ def check_bucket(client: Any, bucket: str, endpoint: str) -> None:
 
 class ViewReader:
     """A read-only file whose reads are slices of a buffer: a PUT body that botocore
-    streams without a copy (it takes bytes or file-likes, not memoryviews)."""
+    streams without a copy (it takes bytes or file-likes, not memoryviews). Each read
+    ticks ``meter``: the bytes are leaving, so the endpoint is taking them."""
 
-    __slots__ = ("_pos", "_view")
+    __slots__ = ("_meter", "_pos", "_view")
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, view: memoryview, meter: Progress | None = None) -> None:
         self._view = view
         self._pos = 0
+        self._meter = meter
 
     def read(self, amt: int | None = -1) -> memoryview:
         end = len(self._view) if amt is None or amt < 0 else min(len(self._view), self._pos + amt)
         out = self._view[self._pos : end]
         self._pos = end
+        if self._meter is not None:
+            self._meter.tick()
         return out
 
     def seek(self, offset: int, whence: int = 0) -> int:
@@ -191,14 +200,18 @@ class ViewReader:
         return self._pos
 
 
-def read_body_into(body: Any, view: memoryview, *, direct: bool = True) -> None:
+def read_body_into(
+    body: Any, view: memoryview, *, direct: bool = True, meter: Progress | None = None
+) -> None:
     """Fill ``view`` (exactly the object's length) from a GetObject ``Body``.
 
     ``direct``: ``readinto`` of the http.client response under botocore's urllib3
     response, when it carries the raw bytes (no content encoding); otherwise, or with
-    ``direct=False``, copies of ``read(1 MiB)``. Raises IncompleteRead if the body
-    ends early; the caller closes the body on any error.
+    ``direct=False``, copies of ``read(1 MiB)``. ``meter`` is ticked after every read
+    that brought bytes. Raises IncompleteRead if the body ends early; the caller
+    closes the body on any error.
     """
+    tick = meter.tick if meter is not None else _no_tick
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     pos, size = 0, len(view)
@@ -210,10 +223,11 @@ def read_body_into(body: Any, view: memoryview, *, direct: bool = True) -> None:
         and raw.headers.get("content-encoding", "identity") == "identity"
     ):
         while pos < size:
-            count = fp.readinto(view[pos:])
+            count = fp.readinto(view[pos : pos + _READINTO_BLOCK])
             if not count:
                 raise http.client.IncompleteRead(b"", size - pos)
             pos += count
+            tick()
         if fp.isclosed():  # fully consumed: the connection can serve another request
             raw.release_conn()
         return
@@ -223,6 +237,11 @@ def read_body_into(body: Any, view: memoryview, *, direct: bool = True) -> None:
             raise http.client.IncompleteRead(b"", size - pos)
         view[pos : pos + len(data)] = data
         pos += len(data)
+        tick()
+
+
+def _no_tick() -> None:
+    pass
 
 
 @dataclass(slots=True)

@@ -54,6 +54,13 @@ BackendUnavailable, so the StorageManager's breaker sees outages; otherwise fail
 items are misses or unstored chunks, counted in ``stats.errors``. At open, a missing
 bucket or refused credentials are a ConfigError naming bucket and endpoint.
 
+Deadlines: the StorageManager bounds each call by the tier's ``budget``: ``timeout_s``
+plus the call's bytes at ``min_bytes_per_s`` plus ``lookup_key_s`` per key a lookup
+asks about (512 HEADs took 2-3 s on moto with the CPU shared: a fixed 2 s turned a
+full hit into 0 hits), and gives up on a call as soon as ``io_progress``, ticked by
+every answer and every block sent or received, has stood still for ``timeout_s``
+(:mod:`lmtier.storage.budget`), so a hung endpoint costs ``timeout_s``, not the deadline.
+
 Credentials: from the config (:class:`~lmtier.config.secrets.Secret`, revealed only into the
 client) or boto3's default chain. Logs and ``repr`` show the endpoint (redacted) and
 bucket; opening installs a filter that masks the access key id and session token in
@@ -81,6 +88,7 @@ from lmtier.config import S3TierConfig
 from lmtier.config.secrets import redact_url
 from lmtier.errors import BackendError, BackendUnavailable, ConfigError
 from lmtier.storage.blocking import run_blocking
+from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, settle
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties
@@ -135,6 +143,13 @@ class S3Tier(Tier):
             timeout_s=config.timeout_s,
         )
         self.stats = TierStats()
+        self.budget = CallBudget(
+            config.timeout_s, config.min_bytes_per_s or None, config.lookup_key_s
+        )
+        """The deadline of each call, read by the StorageManager's guard."""
+        self.io_progress = Progress()
+        """Ticked by every answer and every block sent or received: a hung endpoint
+        stops it."""
         self._failures = FailureLog(name, self.stats)
         self.config = config
         self.bucket: str = config.bucket
@@ -205,8 +220,10 @@ class S3Tier(Tier):
             response = self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
         except ClientError as exc:
             if not_found(exc):
+                self.io_progress.tick()
                 return None
             raise
+        self.io_progress.tick()
         return not self._expired(response["LastModified"])
 
     def _scan(self, scan: Scan) -> None:
@@ -224,25 +241,28 @@ class S3Tier(Tier):
             response = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         except ClientError as exc:
             if not_found(exc):
+                self.io_progress.tick()
                 return None
             raise
+        self.io_progress.tick()
         body = response["Body"]
         size = int(response["ContentLength"])
         if size > len(view) or self._expired(response["LastModified"]):
             body.close()  # unread bytes: the connection is dropped, not reused
             return UNSERVABLE if size > len(view) else _EXPIRED
         try:
-            read_body_into(body, view[:size])
+            read_body_into(body, view[:size], meter=self.io_progress)
         except BaseException:
             body.close()
             raise
         return size
 
     def _put_one(self, key: ChunkKey, view: memoryview) -> int:
-        body = ViewReader(view)
+        body = ViewReader(view, self.io_progress)
         self._client.put_object(
             Bucket=self.bucket, Key=self.object_key(key), Body=body, ContentLength=len(view)
         )
+        self.io_progress.tick()
         return len(view)
 
     def _delete_batch(self, keys: Sequence[ChunkKey]) -> None:
@@ -250,6 +270,7 @@ class S3Tier(Tier):
         response = self._client.delete_objects(
             Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
         )
+        self.io_progress.tick()
         for error in response.get("Errors", []):
             self._failures.record("delete", error, "refused")
 
