@@ -254,12 +254,16 @@ class DiskTierConfig(_ByteTierSection):
     ``~/.cache/lmtier/chunks`` by default; ``~`` is expanded."""
     capacity_bytes: Size = 32 * _GIB
     """Bytes of chunk files kept before LRU eviction."""
-    fsync: Bool = True
-    """fdatasync each chunk file before it counts as stored."""
+    fsync: Bool = False
+    """Make each batch of writes durable (one ``syncfs``: data and file names) before
+    its chunks count as stored. Off: the kernel writes them back in its own time
+    (~30 s); a crash of the process loses nothing, a power loss can lose or zero the
+    newest chunks, and their checksums make those misses. On costs every byte a trip
+    to the disk, which small chunks stored faster than the disk syncs cannot afford."""
     o_direct: Bool = False
     """Read and write with O_DIRECT (bypass the page cache)."""
     io_threads: Count = 4
-    """Worker threads for file I/O."""
+    """Worker threads for file I/O (reads and writes of one batch run in parallel)."""
     file_mode: Annotated[Text, _rule(_file_mode_problem)] = "0600"
     """Octal permissions of chunk files (directories get the matching search bits),
     whatever the umask: KV can reveal prompts. ``"0640"`` lets a group read."""

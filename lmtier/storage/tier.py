@@ -28,10 +28,13 @@ Tiers move the chunk format's bytes unchanged and never touch torch. Validation 
 shared, not per backend: :meth:`Tier.read_chunks` (and :meth:`Tier.get_into`) call
 the backend's ``_read_into``, then decode every chunk once (magic, version, header
 and payload checksums, and that the chunk is the one asked for); a chunk that fails
-is counted, deleted, and reported as a miss. Backends translate their own exceptions
-(OSError, redis, botocore) at their edge, through one table each
-(:mod:`lmtier.storage.failures`), into misses for one chunk or BackendError for the
-whole tier.
+is counted, deleted, and reported as a miss. A backend that reads in worker threads
+may check each chunk there, right after its read (:meth:`Tier.check_read`, returned
+as a :class:`CheckedRead` from ``_read_checked``), so that the checksums of a batch
+overlap its other reads instead of following them all on the event loop's thread.
+Backends translate their own exceptions (OSError, redis, botocore) at their edge,
+through one table each (:mod:`lmtier.storage.failures`), into misses for one chunk
+or BackendError for the whole tier.
 
 What makes tiers behave differently lives in :class:`TierProperties`, so the
 StorageManager never branches on a tier's name or class.
@@ -50,7 +53,15 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import CorruptChunk
 from lmtier.storage.stats import TierStats
 
-__all__ = ["DEFAULT_QUEUE_DEPTH", "UNSERVABLE", "Buffer", "Tier", "TierProperties", "WritePolicy"]
+__all__ = [
+    "DEFAULT_QUEUE_DEPTH",
+    "UNSERVABLE",
+    "Buffer",
+    "CheckedRead",
+    "Tier",
+    "TierProperties",
+    "WritePolicy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +78,18 @@ DEFAULT_QUEUE_DEPTH = 4096
 UNSERVABLE = -1
 """What ``Tier._read_into`` returns for a chunk that is present but can never be
 served (see the module docstring): it is deleted and counted, and the read is a miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRead:
+    """A chunk its backend has read and already decoded (:meth:`Tier.check_read`)."""
+
+    size: int
+    """Bytes read (the encoded length)."""
+    chunk: DecodedChunk | None
+    """The decoded chunk, a view into the read buffer; None if it failed validation."""
+    problem: CorruptChunk | None = None
+    """Why it failed validation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,30 +180,45 @@ class Tier(ABC):
         _, chunks = await self._read_validated(keys, buffers, decode=True)
         return chunks
 
+    def check_read(self, key: ChunkKey, buffer: memoryview, size: int) -> CheckedRead:
+        """Decode and check chunk ``key``, just read into ``buffer[:size]``, as
+        :meth:`read_chunks` does. Any thread may call it (the payload checksum
+        releases the GIL): a backend reading in worker threads calls it there."""
+        try:
+            chunk = decode_as(key, buffer[:size], verify=self.properties.verify_reads)
+        except CorruptChunk as exc:
+            return CheckedRead(size, None, exc)
+        return CheckedRead(size, chunk)
+
     async def _read_validated(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview], *, decode: bool
     ) -> tuple[list[int | None], list[DecodedChunk | None]]:
-        """Read; decode (and check) each chunk when ``decode`` or the tier verifies."""
+        """Read; decode (and check) each chunk when ``decode`` or the tier verifies,
+        unless the backend already did (a :class:`CheckedRead`)."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        sizes = await self._read_into(keys, buffers)
+        outcomes = await self._read_checked(keys, buffers)
+        sizes: list[int | None] = [None] * len(keys)
         chunks: list[DecodedChunk | None] = [None] * len(keys)
         bad: list[ChunkKey] = []
-        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+        for index, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
+            checked, size = (
+                (outcome, outcome.size) if isinstance(outcome, CheckedRead) else (None, outcome)
+            )
+            sizes[index] = size
             if size is None:
                 continue
             if size < 0:
                 self.stats.unservable += 1
-            elif not decode:
+            elif not decode and checked is None:
                 continue  # memory this process wrote and checked (get_into, no checks asked)
             else:
-                try:
-                    data = buffers[index][:size]
-                    chunks[index] = decode_as(key, data, verify=self.properties.verify_reads)
+                checked = checked or self.check_read(key, buffers[index], size)
+                if checked.chunk is not None:
+                    chunks[index] = checked.chunk
                     continue
-                except CorruptChunk as exc:
-                    logger.debug("chunk %s failed validation: %s", key.hex(), exc)
-                    self.stats.corrupt += 1
+                logger.debug("chunk %s failed validation: %s", key.hex(), checked.problem)
+                self.stats.corrupt += 1
             bad.append(key)
             sizes[index] = None
         if bad:
@@ -191,6 +229,13 @@ class Tier(ABC):
         self.stats.misses += len(keys) - hits
         self.stats.bytes_read += sum(size for size in sizes if size is not None)
         return sizes, chunks
+
+    async def _read_checked(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> Sequence[int | CheckedRead | None]:
+        """What :meth:`_read_validated` reads with: ``_read_into`` unless a backend
+        overrides it to check chunks as it reads them (a :class:`CheckedRead` each)."""
+        return await self._read_into(keys, buffers)
 
     @abstractmethod
     async def _read_into(

@@ -60,7 +60,7 @@ def test_defaults_are_the_embedded_default(env: dict[str, str], home: Path) -> N
     assert cfg.disk.enabled
     assert cfg.disk.path == home / ".cache" / "lmtier" / "chunks"
     assert cfg.disk.capacity_bytes == 32 * GIB
-    assert (cfg.disk.fsync, cfg.disk.o_direct, cfg.disk.io_threads) == (True, False, 4)
+    assert (cfg.disk.fsync, cfg.disk.o_direct, cfg.disk.io_threads) == (False, False, 4)
     assert cfg.redis == RedisTierConfig()
     assert cfg.redis.url is None
     assert (cfg.redis.key_prefix, cfg.redis.timeout_s, cfg.redis.max_connections) == (

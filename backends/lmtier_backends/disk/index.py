@@ -14,6 +14,24 @@ change to the index, and :meth:`DiskIndex.reserve`'s walk over it, holds one loc
 (uncontended: ~0.1 us); membership tests (:meth:`DiskIndex.leading`) take none, being
 atomic under the GIL.
 
+Sharing a directory (a vLLM scheduler and its workers, two engines, a warm-up job):
+files other processes write after our open are found on demand. A lookup walks the
+index to the first key it lacks, ``lstat``-s that key's file (~2 us) and, if it
+exists, adopts it (indexed as most recently used, its size counted against capacity)
+and walks on: one stat per lookup when nothing is new, plus one per new file, found
+once. Reads and deletes try keys not indexed too, adopting the files they find.
+Lookups on any thread (``contains_now``) adopt as well, since a scheduler process
+only looks up and would otherwise re-stat the workers' files on every lookup; so index
+changes take a lock (uncontended, ~0.1 us), and adopting never evicts (unlinking off
+the loop would race its writes): the next put's reservation evicts down to capacity.
+Capacity holds for the directory, not per process: every write is counted in the
+shared ledger, and a writer that finds the directory over capacity evicts its own
+least recently used files (adopting the others' by a rate-limited rescan when its
+own do not suffice). Give every process sharing a directory the same
+``capacity_bytes``; the overshoot is bounded by the writes in flight at once (see
+the ledger). Temp files carry their writer's pid, so an opening process deletes
+only those of dead writers (or an hour old).
+
 :class:`RecentKeys` remembers keys found unservable for a while, so a file that can
 be neither read nor deleted is not adopted again at every lookup.
 """
@@ -29,7 +47,12 @@ from collections.abc import Collection, Iterable, Sequence
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.tier import Buffer
 
-__all__ = ["DiskIndex", "RecentKeys", "admit"]
+__all__ = ["WAVE_FRACTION", "WAVE_MAX_BYTES", "DiskIndex", "RecentKeys", "admit", "wave_length"]
+
+WAVE_FRACTION = 32
+"""A put writes its chunks in waves of at most this fraction of capacity ..."""
+WAVE_MAX_BYTES = 64 << 20
+"""... and at most this many bytes (one group commit each when ``fsync`` is on)."""
 
 
 class RecentKeys:
@@ -86,6 +109,20 @@ def admit(
             admitted.append((key, view))
     admitted.reverse()
     return admitted, too_large, dropped
+
+
+def wave_length(items: Sequence[tuple[ChunkKey, memoryview]], capacity: int) -> int:
+    """How many of a put's ``items`` (admitted, oldest first) to write in its next wave:
+    at least one. A wave reserves its room (evicting for it) only when it starts, so a
+    backlog of 512 chunks no longer evicted a third of a small cache before its first
+    byte landed, and each wave is found by lookups as soon as it is done."""
+    budget = min(capacity // WAVE_FRACTION, WAVE_MAX_BYTES)
+    total = 0
+    for count, (_, view) in enumerate(items):
+        total += len(view)
+        if total > budget:
+            return max(1, count)
+    return len(items)
 
 
 class DiskIndex:
@@ -210,23 +247,8 @@ class DiskIndex:
         before writing; None when the write cannot fit even after evicting everything
         evictable (nothing is evicted then: the rest is held by writes in flight).
         """
-        with self._lock:
-            pinned = sum(self._sizes.get(k, 0) for k in self._writing)
-            if self._reserved + pinned + size > self.capacity:
-                return None
-            victims: list[tuple[ChunkKey, int]] = []
-            excess = self.used + size - self.capacity
-            for victim, victim_size in self._sizes.items():  # least recently used first
-                if excess <= 0:
-                    break
-                if victim not in self._writing:
-                    victims.append((victim, victim_size))
-                    excess -= victim_size
-            for victim, _ in victims:
-                self._remove(victim)
-            self._writing[key] += 1
-            self._reserved += size
-            return victims
+        done, victims = self.reserve_prefix([(key, size)])
+        return victims if done else None
 
     def reserve_prefix(
         self, items: Sequence[tuple[ChunkKey, int]]
@@ -236,11 +258,28 @@ class DiskIndex:
         Returns how many were reserved, and the (key, size) of every file evicted.
         """
         victims: list[tuple[ChunkKey, int]] = []
-        for done, (key, size) in enumerate(items):
-            evicted = self.reserve(key, size)
-            if evicted is None:
-                return done, victims
-            victims += evicted
+        with self._lock:
+            # Bytes of indexed files being rewritten: not evictable. Summed once per
+            # call and kept up to date, not per item (a batch of n was O(n^2)).
+            pinned = sum(self._sizes.get(k, 0) for k in self._writing)
+            for done, (key, size) in enumerate(items):
+                if self._reserved + pinned + size > self.capacity:
+                    return done, victims
+                excess = self.used + size - self.capacity
+                evicted: list[tuple[ChunkKey, int]] = []
+                for victim, victim_size in self._sizes.items():  # least recently used first
+                    if excess <= 0:
+                        break
+                    if victim not in self._writing:
+                        evicted.append((victim, victim_size))
+                        excess -= victim_size
+                for victim, _ in evicted:
+                    self._remove(victim)
+                victims += evicted
+                if key not in self._writing:
+                    pinned += self._sizes.get(key, 0)
+                self._writing[key] += 1
+                self._reserved += size
         return len(items), victims
 
     def commit(self, key: ChunkKey, size: int) -> None:

@@ -1,9 +1,15 @@
-"""Blocking file operations of the disk tier, one call per worker-thread hop.
+"""Blocking file operations of the disk tier, each a whole open / read-or-write / close.
 
-Each function does a whole open / read-or-write / close, so the event loop pays one
-executor hop per file. OSErrors propagate to the tier, which turns them into misses
-and counters; nothing here touches the tier's index or stats. Writes and unlinks
-update the directory's shared :class:`~lmtier_backends.disk.ledger.Ledger`.
+A worker thread takes one file in one call (the tier spreads a batch over its threads
+with :func:`~lmtier_backends.disk.batch.fan_out`). OSErrors propagate to the tier,
+which turns them into misses and counters; nothing here touches the tier's index or
+stats. Unlinks, and each batch of writes once (:func:`commit_writes`), update the
+directory's shared :class:`~lmtier_backends.disk.ledger.Ledger`.
+
+Durability is a group commit: a batch's files are written and renamed into place
+without a sync, then made durable together (:func:`make_durable`: one ``syncfs``).
+Readers never see a partial file either way (the rename is atomic); a crash before
+the commit can leave renamed files empty or zeroed, which fail their checksums.
 
 Chunk files are opened without following symlinks (``O_NOFOLLOW``) and without
 blocking (``O_NONBLOCK``: a FIFO put in place of a chunk file would otherwise block
@@ -24,24 +30,28 @@ buffer gets a buffered read for that one call.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from lmtier.chunks.format import PAYLOAD_ALIGN, align_up
+from lmtier.chunks.format import align_up
 from lmtier.storage.tier import UNSERVABLE
 from lmtier_backends.disk.ledger import Ledger
 
 __all__ = [
+    "DIRECT_ALIGN",
     "O_DIRECT",
     "UNSERVABLE",
+    "commit_writes",
     "file_signature",
+    "make_durable",
     "probe_direct",
     "probe_write",
     "read_file",
@@ -51,6 +61,8 @@ __all__ = [
 ]
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+DIRECT_ALIGN = 4096
+"""What O_DIRECT needs aligned: memory addresses, lengths and file offsets."""
 _local = threading.local()  # per worker thread: the O_DIRECT bounce buffer
 
 
@@ -65,7 +77,7 @@ def _bounce(nbytes: int) -> mmap.mmap:
     if buf is None or len(buf) < nbytes:
         if buf is not None:
             buf.close()
-        buf = mmap.mmap(-1, align_up(max(nbytes, 1)))
+        buf = mmap.mmap(-1, align_up(max(nbytes, 1), DIRECT_ALIGN))
         _local.bounce = buf
     return buf
 
@@ -88,8 +100,8 @@ def _write_direct(fd: int, data: memoryview) -> None:
     page cache (from the caller's memory when aligned, else from the bounce buffer);
     the tail of under 4096 bytes is written buffered (O_DIRECT cleared on the fd)."""
     size = len(data)
-    body = size - size % PAYLOAD_ALIGN
-    if body and _address(data) % PAYLOAD_ALIGN == 0:
+    body = size - size % DIRECT_ALIGN
+    if body and _address(data) % DIRECT_ALIGN == 0:
         _write_all(fd, data[:body])
     elif body:
         bounce = _bounce(body)
@@ -101,17 +113,14 @@ def _write_direct(fd: int, data: memoryview) -> None:
         _write_all(fd, data[body:])
 
 
-def write_file(
-    final: str, temp: str, data: memoryview, *, direct: bool, sync: bool, mode: int, ledger: Ledger
-) -> int:
-    """Atomically make ``final`` hold ``data``: temp file, fdatasync, rename; returns the
-    directory's byte total after counting the new file in ``ledger``.
+def write_file(final: str, temp: str, data: memoryview, *, direct: bool, mode: int) -> int:
+    """Atomically make ``final`` hold ``data``: a temp file, written and closed, then
+    renamed into place; returns the bytes the directory gained (``len(data)`` less the
+    size of a file it replaced), for the caller to count in the ledger.
 
-    The shard directory is deliberately not fsynced: for a cache, a rename lost in a
-    crash is a miss, and a file torn by one fails its checksum; that fsync costs a
-    second journal commit per file (~15% of write throughput here). fdatasync before
-    the rename stays, so a renamed file never points at unwritten blocks.
-    On any OSError nothing is left behind (no temp file).
+    No sync here: the batch is made durable at once afterwards (:func:`make_durable`),
+    or not at all (``disk.fsync: false``); either way a file torn by a crash fails its
+    checksum and is a miss. On any OSError nothing is left behind (no temp file).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
     fd = os.open(temp, flags, mode)
@@ -122,8 +131,6 @@ def write_file(
                 _write_direct(fd, data)
             else:
                 _write_all(fd, data)
-            if sync:
-                os.fdatasync(fd)  # a new file: its size is data to fdatasync, mtime is not
         finally:
             os.close(fd)
         replaced = file_signature(final)
@@ -132,7 +139,65 @@ def write_file(
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    return ledger.add(len(data) - (replaced[0] if replaced is not None else 0))
+    return len(data) - (replaced[0] if replaced is not None else 0)
+
+
+def _find_syncfs() -> Callable[[int], int] | None:
+    try:
+        function: Callable[[int], int] = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):  # not Linux (or no libc to load): the portable way
+        return None
+    return function
+
+
+_syncfs = _find_syncfs()
+
+
+def make_durable(root: str, paths: Sequence[str]) -> None:
+    """Put the files at ``paths`` (just renamed into place under ``root``) and their
+    names on stable storage: a group commit.
+
+    Linux: one ``syncfs`` of the filesystem, one journal commit for the whole batch
+    (64 files of 36 KiB: ~7 ms here, against ~70 ms for an fdatasync of each). It also
+    flushes other writers' dirty data on that filesystem, so a cache sharing a busy
+    filesystem waits for them too. Elsewhere, or if the kernel lacks it: an fsync of
+    each file and of each directory holding one. Raises the OSError of a failed flush
+    (files that vanished meanwhile, evicted by another process, are skipped).
+    """
+    if _syncfs is not None:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if _syncfs(fd) == 0:
+                return
+            code = ctypes.get_errno()
+        finally:
+            os.close(fd)
+        if code != errno.ENOSYS:
+            raise OSError(code, os.strerror(code), root)
+    for path in (*paths, *sorted({os.path.dirname(p) for p in paths})):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def commit_writes(
+    root: str, paths: Sequence[str], added: int, *, durable: bool, ledger: Ledger
+) -> tuple[int, OSError | None]:
+    """After a batch of :func:`write_file`: count the ``added`` bytes in ``ledger`` (one
+    update per batch) and, if ``durable``, :func:`make_durable` the files. Returns the
+    directory's byte total (-1 if not known) and the flush's error, if any."""
+    total = ledger.add(added) if added else ledger.total()
+    try:
+        if durable and paths:
+            make_durable(root, paths)
+    except OSError as exc:
+        return total, exc
+    return total, None
 
 
 def _read_exact(fd: int, view: memoryview, offset: int = 0) -> int:
@@ -153,7 +218,7 @@ def read_file(path: str, buf: memoryview, direct: bool) -> int:
     is larger than ``buf``. FileNotFoundError and other OSErrors (ELOOP for a symlink,
     EACCES) propagate to the caller, which sorts them.
     """
-    direct = direct and _address(buf) % PAYLOAD_ALIGN == 0
+    direct = direct and _address(buf) % DIRECT_ALIGN == 0
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     fd = os.open(path, flags | (O_DIRECT if direct else 0))
     try:
@@ -165,7 +230,8 @@ def read_file(path: str, buf: memoryview, direct: bool) -> int:
         if direct:
             # Round up when the buffer allows (the kernel stops at end of file), else
             # read the 4096-multiple body direct and the short tail buffered.
-            body = align_up(size) if align_up(size) <= len(buf) else size - size % PAYLOAD_ALIGN
+            whole = align_up(size, DIRECT_ALIGN)
+            body = whole if whole <= len(buf) else size - size % DIRECT_ALIGN
             done = _read_exact(fd, buf[:body])
             if done < size:
                 _clear_direct(fd)
@@ -241,7 +307,7 @@ def probe_write(tmp_dir: str, mode: int) -> None:
 def probe_direct(tmp_dir: str, mode: int) -> OSError | None:
     """Try one O_DIRECT write in ``tmp_dir``: None if it works, else the error."""
     path = os.path.join(tmp_dir, f"o_direct_probe.{os.getpid()}")
-    page = mmap.mmap(-1, PAYLOAD_ALIGN)
+    page = mmap.mmap(-1, DIRECT_ALIGN)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | O_DIRECT, mode)
         try:

@@ -2,49 +2,31 @@
 
 Layout, permissions and start-up: :mod:`lmtier_backends.disk.layout`.
 
-Atomicity: a write goes to a temp file in ``tmp/`` (same filesystem), is fdatasynced
-when ``fsync`` is on, then ``os.replace``-d into place. A reader opens either the old
-file or the new one, never a partial file; a crash leaves at most temp files, deleted
-at the next open, or loses the newest renames (the shard directory is not fsynced:
-for a cache that is a miss, and it would cost ~15% of write throughput).
+Writes: each chunk goes to a temp file in ``tmp/`` (same filesystem), then is
+``os.replace``-d into place: a reader opens the old file or the new one, never a
+partial file. A put writes in waves of at most 1/32 of capacity, each evicting least
+recently used files for its room just before it starts (a backlog written as one
+batch evicted a third of a small cache ahead of time) and indexed as soon as it is
+done. ``fsync`` (off by default) makes each wave durable with one group commit before
+its chunks count as stored (:func:`~lmtier_backends.disk.io.make_durable`); without
+it the kernel writes files back in its own time. Either way a crash can leave temp
+files (deleted at the next open) and empty or zeroed chunk files, which fail their
+checksums: misses, deleted when first read. Why off by default: see the README
+(durability) and benchmarks/bench_trace.py. A chunk larger than the whole capacity
+is refused and counted as an error.
 
-Index: in memory, key -> file size in LRU order (:mod:`lmtier_backends.disk.index`).
-It is rebuilt at open from directory listings only: file names are the keys, ``stat``
-gives size and mtime. No header is read at start-up because none is needed: every
-read is validated anyway (``Tier.get_into``), so a corrupt file is found, counted and
-deleted the first time it is asked for, and start-up stays a listing of names. Files
-are ordered by mtime, and every hit bumps the mtime (``os.utime`` on the open fd, in
-the same worker hop as the read), so LRU order survives a restart.
+Index: key -> file size in LRU order, rebuilt at open from file names and ``stat``
+alone (:mod:`lmtier_backends.disk.index`); every hit bumps the file's mtime (in the
+read's own worker call), so LRU order survives a restart.
 
 Sharing a directory (a vLLM scheduler and its workers, two engines, a warm-up job):
-files other processes write after our open are found on demand. A lookup walks the
-index to the first key it lacks, ``lstat``-s that key's file (~2 us) and, if it
-exists, adopts it (indexed as most recently used, its size counted against capacity)
-and walks on: one stat per lookup when nothing is new, plus one per new file, found
-once. Reads and deletes try keys not indexed too, adopting the files they find.
-Lookups on any thread (``contains_now``) adopt as well, since a scheduler process
-only looks up and would otherwise re-stat the workers' files on every lookup; so index
-changes take a lock (uncontended, ~0.1 us), and adopting never evicts (unlinking off
-the loop would race its writes): the next put's reservation evicts down to capacity.
-Capacity holds for the directory, not per process: every write is counted in the
-shared ledger, and a writer that finds the directory over capacity evicts its own
-least recently used files (adopting the others' by a rate-limited rescan when its
-own do not suffice). Give every process sharing a directory the same
-``capacity_bytes``; the overshoot is bounded by the writes in flight at once (see
-the ledger). Temp files carry their writer's pid, so an opening process deletes
-only those of dead writers (or an hour old).
-
-Eviction: capacity counts file sizes on disk. Before a write starts, least recently
-used files are evicted (and unlinked) until it fits; a chunk larger than the whole
-capacity is refused and counted as an error.
+files other processes write after our open are found on demand and adopted into the
+index (:mod:`lmtier_backends.disk.index`); capacity holds for the directory, counted
+by every process in a shared ledger (:mod:`lmtier_backends.disk.ledger`).
 
 O_DIRECT (``o_direct=True``): probed once at open by writing a page; a filesystem
 that refuses it (EINVAL on tmpfs) falls back to buffered I/O with one warning. Files
-keep the chunk's exact bytes, unpadded: the 4096-multiple body moves with O_DIRECT
-and a tail of under 4096 bytes through the page cache, so sizes returned by reads
-are exact and the same file reads the same with or without O_DIRECT. Unaligned
-sources go through a per-thread page-aligned bounce buffer; unaligned read buffers
-get a buffered read for that call (:mod:`lmtier_backends.disk.io`).
+keep the chunk's exact bytes either way (:mod:`lmtier_backends.disk.io`).
 
 Failures: any OSError is a miss (reads) or a chunk not stored (writes), counted in
 ``stats.errors`` and logged at WARNING once per errno, never raised; a failed write
@@ -58,10 +40,11 @@ cannot block a thread. Only using a tier that is not open raises
 (BackendUnavailable); a ``path`` that is a file, read-only or not ours is a
 ConfigError at open.
 
-All file I/O runs in one thread pool of ``io_threads``; each job does a whole
-open/read-or-write/close in one hop (measured faster than aiofiles, which pays one
-executor hop per call: see benchmarks/bench_disk.py). Jobs are awaited through
-:func:`lmtier.storage.blocking.run_blocking`, so a cancelled call returns only once its
+All file I/O runs in one thread pool of ``io_threads``: a batch is spread over them
+(:mod:`lmtier_backends.disk.batch`), each thread doing a whole file at a time (open,
+read or write, close; measured faster than aiofiles, which pays one executor hop per
+call: see benchmarks/bench_disk.py); a read is checked (checksums) in the thread
+that read it, while the others still read. A cancelled call returns only once its
 threads are done with its buffers, and ``close()`` returns within
 ``CLOSE_TIMEOUT_S`` even if a thread is stuck in the kernel.
 """
@@ -69,7 +52,6 @@ threads are done with its buffers, and ``close()`` returns within
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -79,18 +61,25 @@ from concurrent.futures import ThreadPoolExecutor
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import DiskTierConfig
 from lmtier.errors import BackendUnavailable, ConfigError
-from lmtier.storage.blocking import finish, run_blocking, shutdown_pool
+from lmtier.storage.blocking import finish, shutdown_pool
 from lmtier.storage.failures import FailureLog
 from lmtier.storage.stats import TierStats
-from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties, WritePolicy
-from lmtier_backends.disk.index import DiskIndex, RecentKeys, admit
+from lmtier.storage.tier import (
+    UNSERVABLE,
+    Buffer,
+    CheckedRead,
+    Tier,
+    TierProperties,
+    WritePolicy,
+)
+from lmtier_backends.disk.batch import fan_out, write_batch
+from lmtier_backends.disk.index import DiskIndex, RecentKeys, admit, wave_length
 from lmtier_backends.disk.io import (
     file_signature,
     probe_direct,
     read_file,
     unlink_all,
     unservable_error,
-    write_file,
 )
 from lmtier_backends.disk.layout import (
     CHUNK_SUFFIX,
@@ -125,7 +114,7 @@ class DiskTier(Tier):
         path: str | os.PathLike[str],
         capacity_bytes: int,
         *,
-        fsync: bool = True,
+        fsync: bool = False,
         o_direct: bool = False,
         io_threads: int = 4,
         file_mode: int = 0o600,
@@ -247,49 +236,62 @@ class DiskTier(Tier):
             self.adopted_files += 1
         return True
 
-    async def _read_into(
+    async def _read_checked(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
-    ) -> list[int | None]:
+    ) -> list[int | CheckedRead | None]:
+        # Each file is checked in the thread that read it, while the others still read.
         pool = self._require_pool()
-        sizes: list[int | None] = [None] * len(keys)
         # Keys not indexed are read too: another process may have written them.
-        known = [key in self._index for key in keys]
-        calls = [
-            (read_file, (self.path_of(key), buffer.cast("B"), self.direct_io))
-            for key, buffer in zip(keys, buffers, strict=True)
-        ]
+        known_before = [key in self._index for key in keys]
+        items = [(key, buffer.cast("B")) for key, buffer in zip(keys, buffers, strict=True)]
         # Keys whose new file lands while we read: an ENOENT seen before it landed
         # must not drop the new entry from the index.
         landed: set[ChunkKey] = set()
         self._landed_watch[id(landed)] = landed
         try:
-            outcomes = await run_blocking(pool, calls)
+            results = await fan_out(pool, self.io_threads, self._read_one, items)
         finally:
             del self._landed_watch[id(landed)]
-        bug: BaseException | None = None
-        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
-            if isinstance(outcome, FileNotFoundError):  # deleted behind our back, or absent
-                if known[i] and key not in landed:
-                    self._index.remove(key)
-            elif isinstance(outcome, OSError):
-                self._count_error("read", outcome)
-                if unservable_error(outcome):
-                    sizes[i] = UNSERVABLE
-                    self._unservable.add(key)
-            elif isinstance(outcome, BaseException):
-                bug = bug or outcome
-            elif outcome == UNSERVABLE:
-                sizes[i] = UNSERVABLE
-                self._unservable.add(key)
-            else:
-                sizes[i] = outcome
-                if not known[i] and key not in self._unlinks and self._index.adopt(key, outcome):
-                    self.adopted_files += 1
-                else:
-                    self._index.touch(key)
-        if bug is not None:
-            raise bug
-        return sizes
+        bugs = [r for r in results if isinstance(r, BaseException) and not isinstance(r, OSError)]
+        if bugs:
+            raise bugs[0]
+        return [
+            self._settle_read(key, result, known, key in landed)
+            for key, result, known in zip(keys, results, known_before, strict=True)
+        ]
+
+    def _settle_read(
+        self, key: ChunkKey, result: object, known: bool, landed: bool
+    ) -> int | CheckedRead | None:
+        """What one file's read means for the caller and for the index."""
+        if isinstance(result, FileNotFoundError):  # deleted behind our back, or absent
+            if known and not landed:
+                self._index.remove(key)
+            return None
+        if isinstance(result, OSError):
+            self._count_error("read", result)
+            result = UNSERVABLE if unservable_error(result) else None
+        if result == UNSERVABLE:
+            self._unservable.add(key)
+            return UNSERVABLE
+        if not isinstance(result, CheckedRead):  # an error above, or never read (closing)
+            return None
+        if not known and key not in self._unlinks and self._index.adopt(key, result.size):
+            self.adopted_files += 1
+        else:
+            self._index.touch(key)
+        return result
+
+    def _read_one(self, key: ChunkKey, buffer: memoryview) -> int | CheckedRead:
+        """In a worker thread: read chunk ``key``'s file into ``buffer`` and check it."""
+        size = read_file(self.path_of(key), buffer, self.direct_io)
+        return UNSERVABLE if size == UNSERVABLE else self.check_read(key, buffer, size)
+
+    async def _read_into(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        outcomes = await self._read_checked(keys, buffers)
+        return [o.size if isinstance(o, CheckedRead) else o for o in outcomes]
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
         waiting, too_large, dropped = admit(items, self.capacity_bytes)
@@ -301,7 +303,8 @@ class DiskTier(Tier):
         stored = 0
         while waiting:
             pool = self._require_pool()
-            done, victims = self._index.reserve_prefix([(k, len(v)) for k, v in waiting])
+            wave = waiting[: wave_length(waiting, self.capacity_bytes)]
+            done, victims = self._index.reserve_prefix([(k, len(v)) for k, v in wave])
             self.stats.evictions += len(victims)
             writes, waiting = waiting[:done], waiting[done:]
             if not writes:
@@ -334,39 +337,43 @@ class DiskTier(Tier):
         pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
         if pending:
             await asyncio.wait(pending.values())
-        write = functools.partial(
-            write_file,
+        files = [(self.path_of(k), f"{self._temp_dir}/{temp_name(k)}", v) for k, v in writes]
+        done = await write_batch(
+            pool,
+            self.io_threads,
+            files,
+            root=self.root,
             direct=self.direct_io,
-            sync=self.fsync,
             mode=self.file_mode,
+            durable=self.fsync,
             ledger=self._ledger,
         )
-        calls = [
-            (write, (self.path_of(key), f"{self._temp_dir}/{temp_name(key)}", view))
-            for key, view in writes
-        ]
-        outcomes = await run_blocking(pool, calls)
+        if done.problem is not None:  # not durable as promised: not stored, and not kept
+            self._count_error("sync", done.problem)
+            self.stats.errors += sum(done.placed) - 1
+            await self._unlink(
+                pool, [k for (k, _), ok in zip(writes, done.placed, strict=True) if ok]
+            )
+            done.placed = [False] * len(writes)
         stored = 0
-        shared_total = -1
         bug: BaseException | None = None
-        for (key, view), outcome in zip(writes, outcomes, strict=True):
-            if isinstance(outcome, int):
+        for (key, view), result, ok in zip(writes, done.outcomes, done.placed, strict=True):
+            if ok:
                 self._index.commit(key, len(view))
                 self._unservable.discard(key)
                 for watch in self._landed_watch.values():
                     watch.add(key)
                 stored += 1
                 self.stats.bytes_written += len(view)
-                shared_total = max(shared_total, outcome)
                 continue
             self._index.abort(key, len(view))
-            if isinstance(outcome, OSError):
-                self._count_error("write", outcome)
-            else:
-                bug = bug or outcome
+            if isinstance(result, OSError):
+                self._count_error("write", result)
+            elif isinstance(result, BaseException):
+                bug = bug or result
         self.stats.puts += stored
-        if shared_total > self.capacity_bytes:
-            await self._shrink(pool, shared_total - self.capacity_bytes, {k for k, _ in writes})
+        if done.total > self.capacity_bytes:
+            await self._shrink(pool, done.total - self.capacity_bytes, {k for k, _ in writes})
         if bug is not None:
             raise bug
         return stored
