@@ -35,7 +35,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from lmtier.chunks.format import ChunkMeta, MacSigner, align_up
+from lmtier.chunks.format import PAYLOAD_ALIGN, ChunkMeta, MacSigner, align_up
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.integrity import load_key
 from lmtier.chunks.keys import KEY_BYTES, ChunkHasher, ChunkKey, ExtraKeys, Namespace
@@ -63,6 +63,8 @@ __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
 logger = logging.getLogger(__name__)
 
+DIRECT_IO_ALIGN = 4096
+"""Alignment of memory that O_DIRECT reads land in (a page)."""
 STORE_BATCH = 16
 """Chunks :meth:`LMTier.store` encodes per trip to the event loop: few trips, few slabs."""
 NAMESPACE_CACHE = 1024
@@ -170,9 +172,16 @@ class LMTier:
         return self
 
     def _host_pool(self) -> tuple[HostPool, int]:
-        """The host pool (cache slabs, then staging) and how many slabs the cache gets."""
+        """The host pool (cache slabs, then staging) and how many slabs the cache gets.
+
+        Slabs are aligned to the chunk format's payload alignment (64 bytes), or to a
+        page where a tier reads with O_DIRECT into them (the disk's ``o_direct``): a
+        32 KiB chunk then takes 32.25 KiB of host memory, not 36.
+        """
         slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
-        stride = align_up(slab_bytes)
+        disk = self.config.disk
+        align = DIRECT_IO_ALIGN if disk.enabled and disk.o_direct else PAYLOAD_ALIGN
+        stride = align_up(slab_bytes, align)
         cpu = self.config.cpu
         cache_slabs = cpu.capacity_bytes // stride if cpu.enabled else 0
         staging_slabs = cpu.staging_bytes // stride
@@ -186,7 +195,7 @@ class LMTier:
                 f"cpu.staging_bytes of {format_size(cpu.staging_bytes)} holds no chunk of "
                 f"{format_size(stride)} and the CPU tier holds none: raise cpu.staging_bytes"
             )
-        pool = HostPool(slab_bytes, cache_slabs + staging_slabs)
+        pool = HostPool(slab_bytes, cache_slabs + staging_slabs, align=align)
         logger.info(
             "host memory: %s = %d cached + %d staging chunks of %s%s",
             format_size(pool.nbytes),

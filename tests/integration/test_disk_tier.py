@@ -25,18 +25,19 @@ from unittest import mock
 
 import pytest
 
-from lmtier.chunks.format import PAYLOAD_ALIGN, PREFIX_LEN
+from lmtier.chunks.format import PREFIX_LEN
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import DiskTierConfig
 from lmtier.errors import BackendUnavailable
 from lmtier.testing import make_chunk, random_key
+from lmtier_backends.disk.io import DIRECT_ALIGN
 from lmtier_backends.disk.tier import DiskTier, open_tier
 
 pytestmark = pytest.mark.integration
 
 T = TypeVar("T")
 GIB = 1 << 30
-CHUNK_LEN = len(make_chunk()[1])  # 16 tokens x 64 hidden: 4096 header + 8192 payload
+CHUNK_LEN = len(make_chunk()[1])  # 16 tokens x 64 hidden: 192-byte header + 8192 payload
 
 
 def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -195,7 +196,7 @@ def _flip(offset: int) -> Callable[[Path, bytes], None]:
 
 
 CORRUPTIONS: dict[str, Callable[[Path, bytes], None]] = {
-    "payload_bit": _flip(PAYLOAD_ALIGN + 100),
+    "payload_bit": _flip(CHUNK_LEN - 100),
     "header_bit": _flip(PREFIX_LEN + 5),
     "truncated": lambda path, data: path.write_bytes(data[: len(data) - 1000]),
     "zero_length": lambda path, data: path.write_bytes(b""),
@@ -391,7 +392,7 @@ def test_o_direct_round_trip(tmp_path: Path, num_tokens: int) -> None:
         assert await tier.put([(keys[0], source), *chunks[1:]]) == 4  # bytes: bounced
         assert [p.stat().st_size for p in chunk_files(tmp_path)] == [size] * 4
         exact = [aligned_buffer(size) for _ in keys]  # direct body, buffered tail
-        roomy = [aligned_buffer(size + PAYLOAD_ALIGN) for _ in keys]  # rounded-up read
+        roomy = [aligned_buffer(size + DIRECT_ALIGN) for _ in keys]  # rounded-up read
         unaligned = [memoryview(bytearray(size + 1))[1:] for _ in keys]  # buffered fallback
         for buffers in (exact, roomy, unaligned):
             assert await tier.get_into(keys, buffers) == [size] * 4

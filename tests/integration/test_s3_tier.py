@@ -135,7 +135,7 @@ def test_contains_1000_keys_and_early_stop(endpoint: str, prefix: str) -> None:
 def test_large_values_round_trip(endpoint: str, prefix: str, payload_mib: int) -> None:
     # payload = 2 (k, v) x tokens x hidden x 4 bytes
     key, data = make_chunk(num_tokens=256 * payload_mib, hidden=512, seed=payload_mib)
-    assert len(data) == payload_mib * MIB + 4096
+    assert payload_mib * MIB < len(data) < payload_mib * MIB + 512  # + its header
 
     async def scenario() -> None:
         tier = await open_s3(endpoint, prefix)

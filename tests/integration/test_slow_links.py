@@ -72,7 +72,10 @@ def test_late_s3_reads_never_reach_another_tenants_slabs(
             config(f"http://127.0.0.1:{link.port}", 56, 0.3), kv=spec, model_id="m"
         ) as cache,
     ):
-        with cache.load(prompt_a, cache_salt="tenant-a") as hit:
+        # Through a lookup: its spans are read in paced batches from the first (a
+        # load without one would probe with a single chunk, which fits the deadline).
+        found = cache.lookup(prompt_a, cache_salt="tenant-a")
+        with cache.load_keys(found.keys, found.lookup) as hit:
             assert hit.num_tokens < 48 * chunk  # the slow link could not serve it in time
         # Tenant B's store takes every free slab at once, while A's reads still land.
         # (It counts only what S3's write queue took: at most half the pool.)

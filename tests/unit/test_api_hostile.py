@@ -8,6 +8,7 @@ import gc
 import logging
 import tracemalloc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -167,10 +168,17 @@ def test_caches_of_other_geometries_never_share_keys() -> None:
     assert len(keys) == len(specs)
 
 
-def test_host_memory_is_capacity_plus_staging_and_nothing_more() -> None:
-    stride = -(-SLAB // 4096) * 4096
+def test_host_memory_is_capacity_plus_staging_and_nothing_more(tmp_path: Path) -> None:
+    stride = -(-SLAB // 64) * 64  # the payload's alignment: no page per chunk
     with LMTier.open(config(cpu_chunks=10, staging_chunks=3), kv=SPEC, model_id="m") as cache:
         assert cache.host_memory().total_bytes == 13 * stride
+    # Slabs that O_DIRECT reads land in are whole pages.
+    direct = config(cpu_chunks=10, staging_chunks=3).replace(
+        disk=DiskTierConfig(path=tmp_path, o_direct=True)
+    )
+    page = -(-SLAB // 4096) * 4096
+    with LMTier.open(direct, kv=SPEC, model_id="m") as cache:
+        assert cache.host_memory().slab_bytes == page
     off = config(cpu_chunks=10, staging_chunks=3, enabled=False)
     with LMTier.open(off, kv=SPEC, model_id="m") as cache:
         assert cache.host_memory().total_bytes == 3 * stride

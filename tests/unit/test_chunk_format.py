@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import lmtier.chunks.format as cf
 from lmtier.chunks.format import (
     DTYPE_ITEMSIZE,
+    FORMAT_VERSION,
     LAYOUTS,
     MAX_HEADER_LEN,
     PAYLOAD_ALIGN,
@@ -75,7 +76,8 @@ def read_prefix(blob: bytes) -> tuple[Any, ...]:
 
 def frame(header: bytes, payload: bytes, **prefix: int) -> bytes:
     """Build a chunk by hand around any header bytes, with a correct header checksum."""
-    fields = {"version": 2, "flags": 0, "reserved": 0, "header_len": len(header)} | prefix
+    fields = {"version": FORMAT_VERSION, "flags": 0, "reserved": 0, "header_len": len(header)}
+    fields |= prefix
     head = PREFIX.pack(
         b"LMTC",
         fields["version"],
@@ -118,8 +120,11 @@ def test_round_trip_with_real_tensors(dtype: str, layout: str) -> None:
     chunk = decode(bytearray(blob))
     assert dataclasses.replace(chunk.meta, created=0.0) == meta
     assert before <= chunk.meta.created <= after
-    assert chunk.payload_offset == PAYLOAD_ALIGN
-    assert len(blob) == encoded_size(meta) == PAYLOAD_ALIGN + meta.nbytes
+    # The payload follows the header at the next 64-byte boundary: no page of padding.
+    assert chunk.payload_offset % PAYLOAD_ALIGN == 0
+    assert 24 + read_prefix(blob)[3] <= chunk.payload_offset < 24 + read_prefix(blob)[3] + 64
+    assert chunk.payload_offset <= 256
+    assert len(blob) == encoded_size(meta) == chunk.payload_offset + meta.nbytes
     assert chunk.checksum == xxhash.xxh3_64_intdigest(tensor_bytes(tensor).tobytes())
     restored = torch.frombuffer(chunk.payload, dtype=getattr(torch, dtype)).reshape(meta.shape)
     assert restored.dtype == tensor.dtype
@@ -197,7 +202,7 @@ def test_decode_header_then_payload() -> None:
     blob = encode(meta, payload)
     header_end = 24 + read_prefix(blob)[3]
     got_meta, offset, nbytes, checksum = decode_header(blob[:header_end])
-    assert (got_meta, offset, nbytes) == (meta, PAYLOAD_ALIGN, meta.nbytes)
+    assert (got_meta, offset, nbytes) == (meta, align_up(header_end), meta.nbytes)
     verify_payload(blob[offset : offset + nbytes], checksum)
     with pytest.raises(ChecksumMismatch):
         verify_payload(bytes(nbytes), checksum)
@@ -273,7 +278,7 @@ def test_bad_magic(blob: bytes) -> None:
         decode(bytes(4096))
 
 
-@pytest.mark.parametrize(("index", "value"), [(1, 3), (1, 1), (1, 0), (2, 1)])
+@pytest.mark.parametrize(("index", "value"), [(1, 4), (1, 2), (1, 1), (1, 0), (2, 1)])
 def test_unsupported_version_or_flags(blob: bytes, index: int, value: int) -> None:
     with pytest.raises(UnsupportedVersion):
         decode(repack(blob, index, value))
@@ -293,7 +298,8 @@ def test_reserved_must_be_zero(blob: bytes) -> None:
 
 def test_truncated_everywhere(blob: bytes) -> None:
     header_end = 24 + read_prefix(blob)[3]
-    cuts = [0, 2, 4, 23, 24, 30, header_end - 1, header_end, PAYLOAD_ALIGN, len(blob) - 1]
+    payload = align_up(header_end)
+    cuts = [0, 2, 4, 23, 24, 30, header_end - 1, header_end, payload, payload + 1, len(blob) - 1]
     for cut in cuts:
         with pytest.raises(TruncatedChunk):
             decode(blob[:cut])
@@ -301,7 +307,8 @@ def test_truncated_everywhere(blob: bytes) -> None:
 
 
 def test_flipped_bytes_fail_checksums(blob: bytes) -> None:
-    for pos in (PAYLOAD_ALIGN, PAYLOAD_ALIGN + 77, len(blob) - 1):
+    payload = decode(blob).payload_offset
+    for pos in (payload, payload + 77, len(blob) - 1):
         broken = bytearray(blob)
         broken[pos] ^= 0x01
         with pytest.raises(ChecksumMismatch, match="payload"):

@@ -214,20 +214,20 @@ GOLDEN_NAMESPACE = Namespace(
 )
 GOLDEN_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 2**33, 0]
 GOLDEN = {
-    "namespace": "10991853780b51422cfba79811159093",
+    "namespace": "03fc042fbe962af96ac3fab601021005",  # format version 3
     "xxh3": [
-        "9f3a23a33143c374a624284f47ebac6a",
-        "f9dbb3b583bfb7bb96bae9fc4e47a50a",
-        "2347f57552d7aa32e135725414760721",
+        "289b95108c01342ba54b5cd2b2bd16c5",
+        "998b0c04f5219929901dea812643e01f",
+        "656c7c07411b437f23f76b64a84b898f",
     ],
-    "vllm": ["f90f65c92e466a4352d3fa7dbe7ce0f2", "97c7d7068dbb8be210295898c09ccdfe"],
+    "vllm": ["3e6a3bb86bc2ee46171ce5bb515329bc", "c996546a8c86aa8f330fe921d859b1fe"],
 }
 
 
 def test_namespace_digest_is_the_documented_encoding() -> None:
     # The scheme of lmtier.chunks.keys' docstring, computed independently of Namespace.
     fields = ["lmtier.namespace", 2, "golden-model", "r1", "float32", "LKTHD"]
-    fields += [2, 4, 8, 4, 1, 0, 2, ""]  # geometry, chunk size, TP, format version, salt
+    fields += [2, 4, 8, 4, 1, 0, 3, ""]  # geometry, chunk size, TP, format version, salt
     expected = xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
     assert GOLDEN_NAMESPACE.digest == expected
 
