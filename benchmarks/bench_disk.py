@@ -36,9 +36,25 @@ from typing import Any
 
 import aiofiles
 import numpy as np
+import torch
+from disk_raw import (
+    DROP_CACHES,
+    READ_MODES,
+    WRITE_MODES,
+    aligned_buffers,
+    drop_page_cache,
+    files_under,
+    raw_cold_read,
+    raw_pass,
+    raw_write_pass,
+    timed,
+)
 
-from lmtier.chunks.format import ChunkMeta, align_up, encode
+from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.chunks.encoding import encode
+from lmtier.chunks.format import ChunkMeta, align_up
 from lmtier.chunks.keys import ChunkKey, split_key
+from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.testing import random_key
 from lmtier_backends.disk.tier import DiskTier
 

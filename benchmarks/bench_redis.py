@@ -40,9 +40,13 @@ from typing import Any
 import numpy as np
 import redis
 import redis.asyncio as aredis
+from remote_facade import CHUNK_BYTES, RawClient, cpu_burner, defaults_row, facade_rows
 
-from lmtier.chunks.format import ChunkMeta, encode
+from lmtier import LMTierConfig
+from lmtier.chunks.encoding import encode
+from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.keys import ChunkKey, split_key
+from lmtier.config import RedisTierConfig
 from lmtier.testing import random_key
 from lmtier_backends.redis.tier import RedisTier
 

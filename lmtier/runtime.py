@@ -81,12 +81,23 @@ class Runtime:
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the plain function ``fn(*args)`` on the loop's thread and return its
-        result: for state only that thread may touch (tiers, the StorageManager)."""
+        result: for state only that thread may touch (tiers, the StorageManager).
 
-        async def on_loop() -> T:
-            return fn(*args)
+        A plain callback, not a task: about half the cost of :meth:`run`'s hop, which
+        a store pays twice per batch."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Runtime.call called from the runtime's own loop thread")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-        return self.run(on_loop())
+        def on_loop() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # handed to the caller, raised there
+                    future.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(on_loop)
+        return future.result()
 
     def stop(self) -> None:
         """Cancel remaining tasks, stop the loop and join its thread. Idempotent."""

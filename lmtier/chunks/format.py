@@ -7,8 +7,8 @@ chunk between tiers is a copy, never a re-encode::
     +-----------------------+-----------------+--------------------+---------------------------+
     | prefix (24 bytes)     | msgpack header  | zero padding       | payload (nbytes, raw KV)  |
     +-----------------------+-----------------+--------------------+---------------------------+
-    prefix = struct "<4sHHIIQ": magic b"LMTC", version, flags (0), header_len,
-             reserved (0), xxh3_64(header)
+    prefix = struct "<4sHHIIQ": magic b"LMTC", version, flags (0, or UNSEALED),
+             header_len, reserved (0), xxh3_64(header)
     header = {"key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "ctime", "xxh", "mac"}
 
 Why this shape:
@@ -32,6 +32,13 @@ Why this shape:
   planted by someone who can write to a shared tier but does not hold the key.
 * msgpack with size limits, never pickle: a chunk is data from a cache that other
   processes can write, and decoding it must not run code or exhaust memory.
+* The ``UNSEALED`` flag marks a chunk framed in host memory whose ``xxh`` and ``mac``
+  are still to be computed, off the storing thread (:mod:`lmtier.chunks.encoding`):
+  only a decode that does not verify accepts one, so such bytes are never served
+  from, or written to, any tier below host memory.
+
+Writing chunks (whole encodings, header templates, sealing) is
+:mod:`lmtier.chunks.encoding`.
 
 This module does not import torch: storage backends use it and never touch tensors.
 """
@@ -40,11 +47,10 @@ from __future__ import annotations
 
 import math
 import struct
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeAlias, TypeGuard
+from typing import Any, TypeGuard
 
 import msgpack
 import xxhash
@@ -60,27 +66,23 @@ from lmtier.errors import (
 
 __all__ = [
     "DTYPE_ITEMSIZE",
+    "FLAG_UNSEALED",
     "FORMAT_VERSION",
     "KEY_LEN",
     "LAYOUTS",
     "MAGIC",
     "MAX_HEADER_LEN",
     "PAYLOAD_ALIGN",
+    "PREFIX",
     "PREFIX_LEN",
     "MAC_LEN",
     "ChunkGeometry",
     "ChunkMeta",
     "DecodedChunk",
-    "MacSigner",
     "align_up",
     "decode",
     "decode_as",
     "decode_header",
-    "encode",
-    "encode_into",
-    "encoded_size",
-    "header_bytes",
-    "signed_header",
     "verify_payload",
 ]
 
@@ -96,8 +98,11 @@ MAX_HEADER_LEN = 64 * 1024
 KEY_LEN = 16
 """Length in bytes of both the chunk key and the namespace id."""
 
-_PREFIX = struct.Struct("<4sHHIIQ")
-PREFIX_LEN = _PREFIX.size  # 24
+PREFIX = struct.Struct("<4sHHIIQ")
+"""magic, version, flags, header length, reserved, xxh3_64 of the header."""
+PREFIX_LEN = PREFIX.size  # 24
+FLAG_UNSEALED = 0x0001
+"""Prefix flag: the header's ``xxh`` and ``mac`` are not computed yet (module docstring)."""
 
 DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
     {
@@ -133,7 +138,6 @@ _UNPACK_LIMITS: dict[str, int] = {
 _HEADER_FIELDS = frozenset(
     ("key", "ns", "dtype", "shape", "layout", "tokens", "nbytes", "ctime", "xxh", "mac")
 )
-_UINT64 = b"\xcf"  # msgpack uint64 marker
 
 
 def align_up(n: int, align: int = PAYLOAD_ALIGN) -> int:
@@ -233,6 +237,9 @@ class DecodedChunk:
     checksum: int
     mac: bytes = _NO_MAC
     """The header's MAC (all zeros when the writer held no integrity key)."""
+    sealed: bool = True
+    """False for a chunk framed ``UNSEALED`` (``checksum`` and ``mac`` not computed yet:
+    only a non-verifying decode accepts it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,122 +258,6 @@ class ChunkGeometry:
     def matches(self, meta: ChunkMeta) -> bool:
         """Whether ``meta`` describes a chunk of exactly this geometry."""
         return meta.dtype == self.dtype and meta.layout == self.layout and meta.shape == self.shape
-
-
-MacSigner: TypeAlias = Callable[[bytes, memoryview], bytes]
-"""Computes a chunk's MAC from its canonical header (``mac`` zeroed) and its payload."""
-
-
-def _pack_header(meta: ChunkMeta, checksum: int, ctime: float, mac: bytes = _NO_MAC) -> bytes:
-    """The msgpack header. Its length depends on ``meta`` only, never on the values
-    of ``checksum``, ``ctime`` or ``mac``: the checksum is always written as a 9-byte
-    uint64 (msgpack would otherwise pick the narrowest int), ctime as a float64 and
-    mac as 32 bytes. That is what lets :func:`encoded_size` be exact without hashing
-    the payload, and a MAC be filled in after the header is packed."""
-    packer = msgpack.Packer(use_bin_type=True)
-    parts: list[bytes] = [packer.pack_map_header(len(_HEADER_FIELDS))]
-    for name, value in (
-        ("key", meta.key),
-        ("ns", meta.namespace),
-        ("dtype", meta.dtype),
-        ("shape", list(meta.shape)),
-        ("layout", meta.layout),
-        ("tokens", meta.num_tokens),
-        ("nbytes", meta.nbytes),
-        ("ctime", float(ctime)),
-    ):
-        parts += (packer.pack(name), packer.pack(value))
-    parts += (packer.pack("xxh"), _UINT64 + checksum.to_bytes(8, "big"))
-    parts += (packer.pack("mac"), packer.pack(mac))
-    return b"".join(parts)
-
-
-def signed_header(meta: ChunkMeta, checksum: int) -> bytes:
-    """The canonical header a chunk's MAC covers (with ``mac`` zeroed), before its payload.
-
-    ``meta.created`` must be the chunk's stamp (as decoded, or as given to encode).
-    Rebuilt from the fields rather than taken from the bytes, so a verifier never
-    depends on how a writer laid out its map.
-    """
-    return _pack_header(meta, checksum, meta.created)
-
-
-def _frame(header: bytes) -> bytes:
-    """Prefix + header + zero padding: everything before the payload."""
-    if len(header) > MAX_HEADER_LEN:
-        raise ValueError(f"header of {len(header)} bytes exceeds {MAX_HEADER_LEN}")
-    prefix = _PREFIX.pack(
-        MAGIC, FORMAT_VERSION, 0, len(header), 0, xxhash.xxh3_64_intdigest(header)
-    )
-    padding = bytes(align_up(PREFIX_LEN + len(header)) - PREFIX_LEN - len(header))
-    return prefix + header + padding
-
-
-def _byte_view(meta: ChunkMeta, payload: Any) -> memoryview:
-    """A flat byte view of ``payload`` (any C-contiguous buffer) of exactly meta.nbytes."""
-    view = memoryview(payload)
-    if not view.c_contiguous:
-        raise ValueError("payload must be a C-contiguous buffer")
-    view = view.cast("B")
-    if view.nbytes != meta.nbytes:
-        raise ValueError(
-            f"payload has {view.nbytes} bytes but {meta.dtype}{list(meta.shape)} "
-            f"needs {meta.nbytes}"
-        )
-    return view
-
-
-def header_bytes(meta: ChunkMeta, payload: Any, sign: MacSigner | None = None) -> bytes:
-    """The bytes that precede ``payload`` in its encoding (length == payload offset).
-
-    Hashes the payload, and MACs header and payload with ``sign`` when given (see
-    :mod:`lmtier.chunks.integrity`). Tiers write the result and the payload as two buffers
-    (writev, a non-copying Redis SET) so the payload is never copied to encode it.
-    """
-    view = _byte_view(meta, payload)
-    ctime = meta.created if meta.created != 0.0 else time.time()
-    checksum = xxhash.xxh3_64_intdigest(view)
-    mac = _NO_MAC
-    if sign is not None:
-        mac = sign(_pack_header(meta, checksum, ctime), view)
-        if len(mac) != MAC_LEN:
-            raise ValueError(f"a MAC must be {MAC_LEN} bytes, got {len(mac)}")
-    return _frame(_pack_header(meta, checksum, ctime, mac))
-
-
-def encoded_size(meta: ChunkMeta) -> int:
-    """Exact length of the encoding of a chunk with this meta (payload offset + nbytes)."""
-    return align_up(PREFIX_LEN + len(_pack_header(meta, 0, 0.0))) + meta.nbytes
-
-
-def encode(meta: ChunkMeta, payload: Any, sign: MacSigner | None = None) -> bytes:
-    """Encode ``payload`` (any C-contiguous buffer of meta.nbytes bytes) as one chunk.
-
-    One copy of the payload, into the returned bytes. Prefer :func:`header_bytes` or
-    :func:`encode_into` where the destination allows it.
-    """
-    view = _byte_view(meta, payload)
-    return b"".join((header_bytes(meta, view, sign), view))
-
-
-def encode_into(meta: ChunkMeta, payload: Any, out: Any, sign: MacSigner | None = None) -> int:
-    """Encode straight into the writable buffer ``out`` (e.g. a pool slab).
-
-    Copies the payload exactly once. Returns the number of bytes written; bytes of
-    ``out`` beyond that are left untouched. ValueError if ``out`` is too small.
-    """
-    view = _byte_view(meta, payload)
-    dest = memoryview(out)
-    if dest.readonly or not dest.c_contiguous:
-        raise ValueError("out must be a writable C-contiguous buffer")
-    dest = dest.cast("B")
-    head = header_bytes(meta, view, sign)
-    total = len(head) + meta.nbytes
-    if dest.nbytes < total:
-        raise ValueError(f"out has {dest.nbytes} bytes, the chunk needs {total}")
-    dest[: len(head)] = head
-    dest[len(head) : total] = view
-    return total
 
 
 def _no_duplicate_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -419,19 +310,20 @@ def _parse_header(header: memoryview) -> tuple[ChunkMeta, int, bytes]:
     return meta, checksum, mac
 
 
-def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int, bytes]:
-    """Validate prefix and header of ``buf``: (view, meta, payload_offset, checksum, mac)."""
+def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int, bytes, bool]:
+    """Validate prefix and header of ``buf``:
+    (view, meta, payload_offset, checksum, mac, sealed)."""
     view = memoryview(buf).cast("B")
     if len(view) < PREFIX_LEN:
         if not MAGIC.startswith(bytes(view[: len(MAGIC)])):
             raise BadMagic(f"chunk does not start with {MAGIC!r}")
         raise TruncatedChunk(f"{len(view)} bytes, shorter than the {PREFIX_LEN}-byte prefix")
-    magic, version, flags, header_len, reserved, header_xxh = _PREFIX.unpack_from(view)
+    magic, version, flags, header_len, reserved, header_xxh = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise BadMagic(f"chunk starts with {magic!r}, not {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise UnsupportedVersion(f"format version {version}; this build reads {FORMAT_VERSION}")
-    if flags != 0:
+    if flags & ~FLAG_UNSEALED:
         # A future version may define flags; a reader that ignored them could misread.
         raise UnsupportedVersion(f"unknown format flags {flags:#06x}")
     if header_len > MAX_HEADER_LEN:
@@ -445,16 +337,26 @@ def _read_header(buf: Any) -> tuple[memoryview, ChunkMeta, int, int, bytes]:
     if xxhash.xxh3_64_intdigest(header) != header_xxh:
         raise ChecksumMismatch("header checksum mismatch")
     meta, checksum, mac = _parse_header(header)
-    return view, meta, align_up(header_end), checksum, mac
+    return view, meta, align_up(header_end), checksum, mac, not flags & FLAG_UNSEALED
+
+
+def _unsealed(meta: ChunkMeta) -> InconsistentChunk:
+    return InconsistentChunk(
+        f"chunk {(meta.namespace + meta.key).hex()} is unsealed (no payload checksum yet): "
+        "such bytes never leave the host memory of the process that framed them"
+    )
 
 
 def decode_header(buf: Any) -> tuple[ChunkMeta, int, int, int]:
     """Validate the prefix and header only: (meta, payload_offset, nbytes, checksum).
 
     ``buf`` needs the prefix and header, not the payload; tiers read this first, then
-    the payload into its destination and check it with :func:`verify_payload`.
+    the payload into its destination and check it with :func:`verify_payload`. An
+    unsealed chunk has no checksum to check: InconsistentChunk.
     """
-    _, meta, payload_offset, checksum, _mac = _read_header(buf)
+    _, meta, payload_offset, checksum, _mac, sealed = _read_header(buf)
+    if not sealed:
+        raise _unsealed(meta)
     return meta, payload_offset, meta.nbytes, checksum
 
 
@@ -465,17 +367,20 @@ def decode(buf: Any, *, verify: bool = True) -> DecodedChunk:
     bytes in it, only :class:`~lmtier.errors.CorruptChunk` subclasses are raised
     (a ``buf`` that is not a buffer at all is a TypeError: a caller's bug).
     ``verify=False`` skips the payload checksum (the header checksum is always
-    checked), for callers that verified the same bytes before. Bytes past the
-    payload are ignored.
+    checked), for callers that verified the same bytes before or framed them
+    themselves; only it accepts an ``UNSEALED`` chunk (:mod:`lmtier.chunks.encoding`).
+    Bytes past the payload are ignored.
     """
-    view, meta, payload_offset, checksum, mac = _read_header(buf)
+    view, meta, payload_offset, checksum, mac, sealed = _read_header(buf)
     end = payload_offset + meta.nbytes
     if len(view) < end:
         raise TruncatedChunk(f"{len(view)} bytes, the payload ends at {end}")
     payload = view[payload_offset:end]
     if verify:
+        if not sealed:
+            raise _unsealed(meta)
         verify_payload(payload, checksum)
-    return DecodedChunk(meta, payload, payload_offset, checksum, mac)
+    return DecodedChunk(meta, payload, payload_offset, checksum, mac, sealed)
 
 
 def decode_as(key: bytes, buf: Any, *, verify: bool = True) -> DecodedChunk:

@@ -31,7 +31,8 @@ import logging
 import stat
 from pathlib import Path
 
-from lmtier.chunks.format import DecodedChunk, signed_header
+from lmtier.chunks.encoding import signed_header
+from lmtier.chunks.format import DecodedChunk
 from lmtier.config.secrets import Secret
 from lmtier.errors import ConfigError
 

@@ -61,6 +61,7 @@ from lmtier.storage.guard import TierGuard
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
 from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.storage.writes import BackgroundWrites
 
@@ -111,7 +112,8 @@ class StorageManager:
         self.guards = {
             t.name: TierGuard(t, self._timeout(t), breaker_factory()) for t in self.tiers
         }
-        self.writes = BackgroundWrites(memory, list(self.guards.values()))
+        sign = self.check.mac.sign if self.check.mac is not None else None
+        self.writes = BackgroundWrites(memory, list(self.guards.values()), Sealer(sign))
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
         self._read_pacers = {t.name: BatchPacer(self._timeout(t)) for t in self.tiers}
         self._verifier: ThreadPoolExecutor | None = None

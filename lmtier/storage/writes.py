@@ -7,8 +7,11 @@ the chunk cached). A full queue drops the write and counts it (``queue_drops``):
 inference never waits on storage. Each tier's writer hands it batches sized by a
 :class:`~lmtier.storage.pacing.BatchPacer` (so a slow tier still takes writes), through
 the tier's :class:`~lmtier.storage.guard.TierGuard`, whose deadline for a batch grows
-with its bytes (:mod:`lmtier.storage.budget`). A write that fails, is skipped by
-the breaker or times out is dropped and counted; the chunk stays in the tiers above.
+with its bytes (:mod:`lmtier.storage.budget`). Each chunk stored unsealed is sealed
+first (:mod:`lmtier.storage.sealing`: its checksum and MAC are computed here, off
+the storing thread), so no tier below host memory sees unsealed bytes. A write that
+fails, is skipped by the breaker or times out is dropped and counted; the chunk stays
+in the tiers above.
 Its write leases go back only when its I/O is over (an abandoned write may still be
 reading the slab).
 """
@@ -27,6 +30,7 @@ from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
 from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 
 __all__ = ["CLOSE_FLUSH_S", "BackgroundWrites"]
@@ -48,8 +52,11 @@ class _Write:
 class BackgroundWrites:
     """The write queues and writers of a StorageManager's byte tiers. Loop-only."""
 
-    def __init__(self, memory: CPUTier, guards: Sequence[TierGuard]) -> None:
+    def __init__(
+        self, memory: CPUTier, guards: Sequence[TierGuard], sealer: Sealer | None = None
+    ) -> None:
         self.memory = memory
+        self.sealer = sealer or Sealer()
         self.guards = {guard.tier.name: guard for guard in guards}
         self.pacers = {name: BatchPacer(guard.budget) for name, guard in self.guards.items()}
         self._queues: dict[str, asyncio.Queue[_Write]] = {}
@@ -94,6 +101,19 @@ class BackgroundWrites:
             limit = pacer.size(chunk_bytes, MAX_CHUNKS)
             while len(batch) < limit and not queue.empty():
                 batch.append(queue.get_nowait())
+            taken = len(batch)
+            try:
+                batch = await self._sealed(tier, batch)
+            except BaseException:
+                self._release(batch)
+                for _ in range(taken):
+                    queue.task_done()
+                raise
+            if len(batch) < taken:
+                for _ in range(taken - len(batch)):
+                    queue.task_done()
+                if not batch:
+                    continue
             items = [(w.key, w.handle.view[: w.size]) for w in batch]
             num_bytes = sum(w.size for w in batch)
             started = time.perf_counter()
@@ -115,6 +135,17 @@ class BackgroundWrites:
                 pacer.succeeded(num_bytes, elapsed, len(batch))
             elif timed_out:
                 pacer.timed_out(num_bytes, len(batch))
+
+    async def _sealed(self, tier: Tier, batch: list[_Write]) -> list[_Write]:
+        """``batch`` with every chunk sealed (:mod:`lmtier.storage.sealing`); a write whose
+        chunk cannot be sealed is released and counted as an error of ``tier``."""
+        ok = await self.sealer.seal([(w.handle, w.size) for w in batch])
+        if all(ok):
+            return batch
+        dropped = [w for w, good in zip(batch, ok, strict=True) if not good]
+        self._release(dropped)
+        tier.stats.errors += len(dropped)
+        return [w for w, good in zip(batch, ok, strict=True) if good]
 
     def _release(self, batch: list[_Write]) -> None:
         for write in batch:
@@ -138,6 +169,7 @@ class BackgroundWrites:
             task.cancel()
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers.clear()
+        self.sealer.close()
         for name, queue in self._queues.items():
             while not queue.empty():
                 self.memory.release_write(queue.get_nowait().handle)

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lmtier.chunks.format import ChunkMeta, encode
+from lmtier.chunks.encoding import encode
+from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.keys import ChunkKey, split_key
 from lmtier.errors import BackendUnavailable
 from lmtier.storage.stats import TierStats

@@ -19,6 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmtier.chunks.format as cf
+from lmtier.chunks.encoding import (
+    HeaderTemplate,
+    encode,
+    encode_into,
+    encoded_size,
+    header_bytes,
+    seal_header,
+)
 from lmtier.chunks.format import (
     DTYPE_ITEMSIZE,
     FORMAT_VERSION,
@@ -29,10 +37,6 @@ from lmtier.chunks.format import (
     align_up,
     decode,
     decode_header,
-    encode,
-    encode_into,
-    encoded_size,
-    header_bytes,
     verify_payload,
 )
 from lmtier.errors import (
@@ -278,7 +282,7 @@ def test_bad_magic(blob: bytes) -> None:
         decode(bytes(4096))
 
 
-@pytest.mark.parametrize(("index", "value"), [(1, 4), (1, 2), (1, 1), (1, 0), (2, 1)])
+@pytest.mark.parametrize(("index", "value"), [(1, 4), (1, 2), (1, 1), (1, 0), (2, 2), (2, 0x8001)])
 def test_unsupported_version_or_flags(blob: bytes, index: int, value: int) -> None:
     with pytest.raises(UnsupportedVersion):
         decode(repack(blob, index, value))
@@ -520,3 +524,57 @@ msgpack_values = st.recursive(
 def test_fuzz_random_msgpack_headers(replace: dict[str, Any], merge: bool) -> None:
     fields = (valid_fields(BASE_META, PAYLOAD) | replace) if merge else replace
     assert_valid_or_corrupt(frame(msgpack.packb(fields), PAYLOAD))
+
+
+# --- header templates and sealing later ---------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_template_frames_exactly_what_header_bytes_writes(dtype: str, layout: str) -> None:
+    meta = make_meta(dtype, layout, created=1234.5)
+    payload = tensor_bytes(make_tensor(dtype, meta.shape))
+    mac = bytes(range(32))
+    expected = header_bytes(meta, payload, lambda header, body: mac)
+    template = HeaderTemplate(meta)
+    out = bytearray(template.encoded_size)
+    out[template.payload_offset :] = bytes(payload)
+    key = meta.namespace + meta.key
+    checksum = xxhash.xxh3_64_intdigest(payload)
+    size = template.frame_into(memoryview(out), key, ctime=1234.5, checksum=checksum, mac=mac)
+    assert size == len(out) == encoded_size(meta)
+    assert bytes(out[: template.payload_offset]) == expected
+
+
+def test_unsealed_chunks_are_served_only_without_verification_until_sealed() -> None:
+    meta = make_meta("float16", "LKTHD")
+    payload = tensor_bytes(make_tensor("float16", meta.shape))
+    template = HeaderTemplate(meta)
+    out = bytearray(template.encoded_size)
+    out[template.payload_offset :] = bytes(payload)
+    template.frame_into(memoryview(out), meta.namespace + meta.key, ctime=7.0, sealed=False)
+    trusted = decode(out, verify=False)  # the host memory that framed it
+    assert not trusted.sealed
+    assert bytes(trusted.payload) == bytes(payload)
+    for read in (lambda: decode(out), lambda: decode_header(out)):
+        with pytest.raises(InconsistentChunk, match="unsealed"):
+            read()
+    mac = bytes([9]) * 32
+    head = seal_header(memoryview(out), lambda header, body: mac)
+    assert head is not None
+    assert len(head) == template.payload_offset
+    out[: len(head)] = head
+    sealed = decode(out)  # verified now: checksum computed over the payload
+    assert sealed.sealed
+    assert sealed.mac == mac
+    assert sealed.checksum == xxhash.xxh3_64_intdigest(payload)
+    assert sealed.meta.created == 7.0
+    assert seal_header(memoryview(out)) is None  # sealing twice is a no-op
+
+
+def test_a_planted_unsealed_chunk_is_refused_by_verifying_readers() -> None:
+    meta = make_meta("float32", "LKTHD")
+    blob = bytearray(encode(meta, tensor_bytes(make_tensor("float32", meta.shape))))
+    forged = repack(bytes(blob), 2, 1)  # flags: UNSEALED, header checksum still right
+    with pytest.raises(InconsistentChunk, match="unsealed"):
+        decode(forged)

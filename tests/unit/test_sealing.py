@@ -1,0 +1,102 @@
+"""Chunks stored unsealed: served from host memory as they are, sealed (checksum, MAC)
+once before any lower tier gets their bytes, never sent unsealed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.chunks.format import decode
+from lmtier.chunks.integrity import ChunkMac
+from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier.kv_spec import ChunkFramer, frame_slab
+from lmtier.storage.check import ChunkCheck
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool
+from lmtier.storage.sealing import is_sealed
+from lmtier.storage.tier import TierProperties
+from lmtier.testing import DictTier, random_key
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
+CHUNK = 16
+KEY = b"sealing-tests-key-of-32-bytes!!!"
+
+
+def kv_of(chunks: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(SPEC.shape(chunks * CHUNK), generator=torch.Generator().manual_seed(seed))
+
+
+def test_store_frames_unsealed_and_host_memory_serves_it() -> None:
+    config = LMTierConfig(
+        chunk_size=CHUNK,
+        cpu=CPUTierConfig(capacity_bytes=1 << 20),
+        disk=DiskTierConfig(enabled=False),
+    )
+    prompt, kv = list(range(3 * CHUNK)), kv_of(3)
+    with LMTier.open(config, kv=SPEC, model_id="m") as cache:
+        assert cache.store(prompt, kv) == 3
+        with cache.load(prompt) as loaded:
+            assert torch.equal(loaded.kv(), kv)
+            # Host memory holds the bytes as framed: no checksum was computed.
+            assert not any(chunk.chunk.sealed for chunk in loaded.chunks)
+
+
+def test_two_tiers_share_one_sealing_and_receive_verifiable_chunks() -> None:
+    framer = ChunkFramer(SPEC, CHUNK)
+    mac = ChunkMac(KEY)
+    lower = [DictTier(name, TierProperties(shared=True)) for name in ("near", "far")]
+
+    async def case() -> None:
+        pool = HostPool(framer.template.encoded_size, 16, pin=False, align=64)
+        check = ChunkCheck(SPEC.geometry(CHUNK), mac)
+        manager = StorageManager(CPUTier(pool, 8 * pool.slab_bytes), lower, check=check)
+        await manager.start()
+        keys = [random_key() for _ in range(4)]
+        kv = kv_of(4)
+        for index, key in enumerate(keys):
+            (handle,) = manager.acquire_slabs(1)
+            part = kv.narrow(2, index * CHUNK, CHUNK)
+            size = framer.write(handle, key, part, ctime=1.0)
+            assert not is_sealed(handle.view[:size])
+            assert manager.put(key, handle, size)
+        await manager.flush()
+        assert manager.writes.sealer.sealed == 4  # once per chunk, not once per tier
+        for tier in lower:
+            for key in keys:
+                chunk = decode(tier.data[key])  # verifies the checksum: sealed
+                assert mac.verify(chunk)
+        # Host memory sees the sealed header too (the same slab, rewritten in place).
+        for key in keys:
+            shared = manager.memory.share(key)
+            assert shared is not None
+            assert is_sealed(shared[0].view[: shared[1]])
+            shared[0].release()
+        await manager.close()
+        pool.close()
+
+    asyncio.run(case())
+
+
+def test_bytes_that_cannot_be_sealed_are_never_written_down() -> None:
+    lower = DictTier("lower")
+
+    async def case() -> None:
+        pool = HostPool(4096, 4, pin=False, align=64)
+        manager = StorageManager(CPUTier(pool, 2 * pool.slab_bytes), [lower])
+        await manager.start()
+        (handle,) = manager.acquire_slabs(1)
+        meta = SPEC.meta(random_key(), 1)
+        size = frame_slab(handle, meta)
+        handle.view[30] ^= 0xFF  # the unsealed header is damaged before it is sealed
+        key = meta.namespace + meta.key
+        manager.put(key, handle, size)  # type: ignore[arg-type]
+        await manager.flush()
+        assert lower.data == {}
+        assert lower.stats.errors == 1
+        await manager.close()
+        pool.close()
+
+    asyncio.run(case())
