@@ -102,10 +102,16 @@ class LoadResult:
         """Zero-copy tensor views of each chunk (valid until :meth:`release`)."""
         return [self._view(chunk) for chunk in self.chunks]
 
-    def kv(self) -> torch.Tensor | None:
-        """All loaded KV as one new tensor concatenated on the token axis (None if empty)."""
+    def kv(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """All loaded KV concatenated on the token axis (None if empty): a new tensor, or
+        written into ``out`` (shaped for :attr:`num_tokens`, any device), which spares
+        an allocation whose first touch costs more than the copy."""
         views = self.tensors()
-        return torch.cat(views, dim=self.token_axis) if views else None
+        if not views:
+            return None
+        if out is None:
+            return torch.cat(views, dim=self.token_axis)
+        return torch.cat(views, dim=self.token_axis, out=out)
 
     def tokens_by_tier(self) -> dict[str, int]:
         """Loaded tokens per tier that served them."""

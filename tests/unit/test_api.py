@@ -46,6 +46,9 @@ def test_store_then_load_returns_the_same_kv(cache: LMTier) -> None:
         assert loaded.num_tokens == 96
         assert torch.equal(loaded.kv(), kv[:, :, :96])
         assert loaded.tokens_by_tier() == {"cpu": 96}
+        into = torch.empty(SPEC.shape(96))
+        assert loaded.kv(out=into) is into
+        assert torch.equal(into, kv[:, :, :96])
 
 
 def test_store_skips_chunks_already_cached(cache: LMTier) -> None:
