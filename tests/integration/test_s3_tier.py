@@ -109,10 +109,7 @@ def test_contains_1000_keys_and_early_stop(endpoint: str, prefix: str) -> None:
         )
         try:
             assert await tier.put(chunks) == 1000
-            started = time.perf_counter()
             assert await tier.contains(keys) == 1000
-            elapsed = time.perf_counter() - started
-            assert elapsed < 15.0, f"1000 HEADs took {elapsed:.1f} s"
             assert len(heads) == 1000
 
             heads.clear()  # a miss at 500 stops the cursor: about one round wasted past it
@@ -120,10 +117,8 @@ def test_contains_1000_keys_and_early_stop(endpoint: str, prefix: str) -> None:
             assert 501 <= len(heads) <= 501 + 2 * 16
 
             heads.clear()  # fresh keys: the slow-start window, 2 HEADs, not 1000
-            started = time.perf_counter()
             assert await tier.contains([random_key() for _ in range(1000)]) == 0
             assert len(heads) <= 2
-            assert time.perf_counter() - started < 1.0
             assert tier.stats.lookups == 3001
         finally:
             await tier.close()

@@ -91,7 +91,7 @@ from lmtier.storage.blocking import run_blocking
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, settle
 from lmtier.storage.stats import TierStats
-from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties
+from lmtier.storage.tier import UNSERVABLE, Buffer, CheckedRead, Tier, TierProperties
 from lmtier_backends.s3.io import (
     RULES,
     Scan,
@@ -257,6 +257,11 @@ class S3Tier(Tier):
             raise
         return size
 
+    def _get_checked(self, key: ChunkKey, view: memoryview) -> int | CheckedRead | None:
+        """:meth:`_get_into`, then the chunk checked here (:meth:`Tier.check_read`)."""
+        size = self._get_into(key, view)
+        return size if size is None or size < 0 else self.check_read(key, view, size)
+
     def _put_one(self, key: ChunkKey, view: memoryview) -> int:
         body = ViewReader(view, self.io_progress)
         self._client.put_object(
@@ -293,14 +298,26 @@ class S3Tier(Tier):
         self._expire([k for k, o in asked if o is False])
         return scan.stop
 
+    async def _read_checked(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | CheckedRead | None]:
+        """GETs in the pool; each chunk decoded and checked by the thread that read it,
+        so a batch's checksums overlap its other GETs instead of following them all on
+        the event loop's thread (~10% of a load from moto)."""
+        views = [buffer.cast("B") for buffer in buffers]
+        outcomes = await self._map(self._get_checked, list(zip(keys, views, strict=True)))
+        settle(self._failures, self._exceptions, "get", outcomes)
+        self._expire([k for k, o in zip(keys, outcomes, strict=True) if o == _EXPIRED])
+        return [
+            o if isinstance(o, CheckedRead) or (isinstance(o, int) and o != _EXPIRED) else None
+            for o in outcomes
+        ]
+
     async def _read_into(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
     ) -> list[int | None]:
-        views = [buffer.cast("B") for buffer in buffers]
-        outcomes = await self._map(self._get_into, list(zip(keys, views, strict=True)))
-        settle(self._failures, self._exceptions, "get", outcomes)
-        self._expire([k for k, o in zip(keys, outcomes, strict=True) if o == _EXPIRED])
-        return [o if isinstance(o, int) and o != _EXPIRED else None for o in outcomes]
+        checked = await self._read_checked(keys, buffers)
+        return [o.size if isinstance(o, CheckedRead) else o for o in checked]
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
         views = [(key, memoryview(data).cast("B")) for key, data in items]
