@@ -14,11 +14,17 @@ Starts its own redis-server (no persistence) on a free loopback port, then measu
       socket in one go (``lookup_ratio_vs_raw_socket``); one PING for scale;
   (c) for context, the default redis-py SET path (sync client; the hiredis packer,
       which copies every value, when hiredis is importable);
-  (d) ``close()`` time.
+  (d) ``close()`` time;
+  (e) through the facade (``LMTier``, default Redis settings; benchmarks/remote_facade.py):
+      store + flush, lookup, load, and lookup + load_keys of 2 MiB chunks, against raw
+      redis-py at the facade's concurrency (16): SETs, one pipeline of EXISTS, GETs;
+  (f) ``defaults``: 512 chunks looked up and loaded by new caches at the default
+      settings, N times: the chunks found and loaded each time (all, every time).
 Tier and baseline runs alternate, and medians are reported. Targets: tier put and get
->= 0.9x raw; lookup <= 1.2x one pipelined batch.
+>= 0.9x raw; lookup <= 1.2x one pipelined batch; facade store/load >= 0.9x raw.
 
-Usage: python benchmarks/bench_redis.py [--quick] [--concurrency N]   (last line: JSON)
+Usage: python benchmarks/bench_redis.py [--quick] [--concurrency N] [--burner]
+(``--burner``: a process spins on one core for the whole run.)  Last line: JSON.
 """
 
 from __future__ import annotations
@@ -288,18 +294,67 @@ async def lookup(port: int, reps: int) -> dict[str, Any]:
     }
 
 
+FACADE_CONCURRENCY = RedisTierConfig().max_connections
+
+
+def raw_client(port: int, count: int, loop: asyncio.AbstractEventLoop) -> tuple[RawClient, Any]:
+    """(e)'s baseline on ``loop``: redis-py at the facade's concurrency; and its client."""
+    client = aredis.Redis(port=port, max_connections=FACADE_CONCURRENCY, protocol=2)
+    names = [b"raw-facade:%d" % i for i in range(count)]
+    value = memoryview(bytearray(os.urandom(CHUNK_BYTES)))
+
+    def put() -> None:
+        calls = [lambda n=n: client.set(n, value) for n in names]
+        loop.run_until_complete(bounded(FACADE_CONCURRENCY, calls))
+
+    def get() -> None:
+        calls = [lambda n=n: client.get(n) for n in names]
+        loop.run_until_complete(bounded(FACADE_CONCURRENCY, calls))
+
+    async def exists_all() -> None:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        assert sum(await pipe.execute()) == count
+
+    return RawClient(put, get, lambda: loop.run_until_complete(exists_all())), client
+
+
+def facade(port: int, count: int, reps: int) -> dict[str, Any]:
+    """(e) and (f)."""
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def at_defaults(base: LMTierConfig) -> LMTierConfig:
+        return base.replace(redis=RedisTierConfig(url=url))
+
+    def generous(base: LMTierConfig) -> LMTierConfig:
+        return base.replace(redis=RedisTierConfig(url=url, timeout_s=30))
+
+    loop = asyncio.new_event_loop()
+    raw, client = raw_client(port, count, loop)
+    try:
+        rows = facade_rows(at_defaults, "redis", raw, count, reps)
+        loop.run_until_complete(client.flushdb())
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
+    rows["defaults"] = defaults_row(at_defaults, generous, "redis", reps=3 if reps < 9 else 6)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer chunks and repetitions")
     parser.add_argument("--concurrency", type=int, default=4, help="GETs/SETs in flight")
+    parser.add_argument("--burner", action="store_true", help="keep one core busy throughout")
     args = parser.parse_args()
     total_bytes = (64 if args.quick else 256) * MIB
     reps = 5 if args.quick else 9
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as directory, cpu_burner(args.burner):
         process, port = start_server(directory)
         try:
             results: dict[str, Any] = {"bench": "redis", "quick": args.quick}
-            results["concurrency"] = args.concurrency
+            results["concurrency"], results["burner"] = args.concurrency, args.burner
             for label, hidden in SIZES.items():
                 count = max(4, total_bytes // (2 * 256 * hidden * 4))
                 results[label] = asyncio.run(
@@ -307,10 +362,17 @@ def main() -> None:
                 )
             results.update(asyncio.run(lookup(port, 3 * reps)))
             results["default_redis_py_set"] = default_set_path(port, make_chunks(SIZES["2MiB"], 8))
+            results["facade"] = facade(port, 64 if args.quick else 256, reps)
         finally:
             process.terminate()
             process.wait(timeout=10)
-    results["targets"] = {"put_ratio": ">= 0.9", "get_ratio": ">= 0.9", "lookup_ratio": "<= 1.2"}
+    results["targets"] = {
+        "put_ratio": ">= 0.9",
+        "get_ratio": ">= 0.9",
+        "lookup_ratio": "<= 1.2",
+        "facade store/load ratio": ">= 0.9",
+        "facade defaults": "all_complete",
+    }
     results["python"] = sys.version.split()[0]
     for name, value in results.items():
         print(f"{name:>28}: {value}")

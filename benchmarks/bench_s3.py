@@ -12,14 +12,22 @@ Measures, in one run, against a moto server it starts itself (or ``--endpoint``)
   (b) lookup of 512 present keys: ``contains`` at ``max_concurrency`` 1, 4, 16, 32
       against raw HEADs on a thread pool of the same size; and 512 fresh keys (a miss
       at the first key: the tier stops after one round of HEADs).
+      (``--quick``: (a) and (b) at concurrency 4 and 16 only).
   (c) the transfer choices, against a null endpoint in another process (it answers
       GETs with a fixed 8 MiB body and swallows PUTs, so the client's own cost shows;
       moto would hide it): client CPU per GiB (``time.process_time``) and GB/s of a
       GET streamed into a slab by http.client ``readinto`` against ``read(1 MiB)``
       copies and a plain ``read()``; of a PUT whose body is a zero-copy reader over
       the slab against ``bytes(slab)``.
+  (d) through the facade (``LMTier``, default S3 settings; benchmarks/remote_facade.py):
+      store + flush, lookup, load, and lookup + load_keys of 2 MiB chunks, against raw
+      boto3 with the tier's client (``make_client``: same settings) on 16 threads:
+      PUTs, HEADs, GETs read into preallocated buffers. Target: load >= 0.9x raw.
+  (e) ``defaults``: 512 chunks looked up and loaded by new caches at the default
+      settings, N times: the chunks found and loaded each time (all, every time).
 
-Usage: python benchmarks/bench_s3.py [--quick] [--endpoint URL]  (last line: one JSON object)
+Usage: python benchmarks/bench_s3.py [--quick] [--endpoint URL] [--burner]
+(``--burner``: a process spins on one core for the whole run.)  Last line: JSON.
 """
 
 from __future__ import annotations
@@ -43,9 +51,12 @@ from typing import Any
 import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
+from remote_facade import CHUNK_BYTES, RawClient, cpu_burner, defaults_row, facade_rows
 
+from lmtier import LMTierConfig
+from lmtier.config import S3TierConfig
 from lmtier.testing import make_chunk, random_key
-from lmtier_backends.s3.io import ViewReader, read_body_into
+from lmtier_backends.s3.io import ViewReader, make_client, read_body_into
 from lmtier_backends.s3.tier import S3Tier
 
 BUCKET = "lmtier-bench"
@@ -53,6 +64,8 @@ MIB = 1 << 20
 GIB = 1 << 30
 CONCURRENCY = (1, 4, 8, 16)
 LOOKUP_CONCURRENCY = (1, 4, 16, 32)
+QUICK_CONCURRENCY = (4, 16)
+"""--quick: (a) and (b) at these concurrencies only (the facade rows need the time)."""
 LOOKUP_KEYS = 512
 TIER_SETTINGS: dict[str, Any] = {
     "request_checksum_calculation": "when_required",
@@ -117,7 +130,9 @@ def seconds(fn: Callable[..., object], *args: Any) -> float:
     return time.perf_counter() - started
 
 
-async def throughput(endpoint: str, payload_mib: int, count: int, reps: int) -> dict[str, Any]:
+async def throughput(
+    endpoint: str, payload_mib: int, count: int, reps: int, concurrency: tuple[int, ...]
+) -> dict[str, Any]:
     """(a) for one chunk size: GB/s per variant and concurrency, and the best ratios.
 
     Variants run interleaved at each concurrency, so drift in the machine's load
@@ -133,7 +148,7 @@ async def throughput(endpoint: str, payload_mib: int, count: int, reps: int) -> 
     keys = [key for key, _ in chunks]
     names = [f"raw/{payload_mib}/{i}" for i in range(count)]
     gbps: dict[str, dict[int, float]] = {}
-    for workers in CONCURRENCY:
+    for workers in concurrency:
         raw = {"raw_default": client(endpoint, workers, False)}
         raw["raw_same_settings"] = client(endpoint, workers, True)
         tier = await open_tier(endpoint, workers)
@@ -162,7 +177,7 @@ async def throughput(endpoint: str, payload_mib: int, count: int, reps: int) -> 
                 max(tier_gbps.values()) / max(raw_gbps.values()), 3
             )
             # The same concurrency, measured interleaved: less exposed to one lucky run.
-            paired = [tier_gbps[w] / raw_gbps[w] for w in CONCURRENCY]
+            paired = [tier_gbps[w] / raw_gbps[w] for w in concurrency]
             ratios[f"{op}_paired_ratio_vs_{base}"] = round(statistics.median(paired), 3)
     return {"best_gbps": best, **ratios, "by_concurrency_gbps": gbps}
 
@@ -179,15 +194,15 @@ def open_tier(endpoint: str, workers: int, prefix: str = "tier/") -> Awaitable[S
     )
 
 
-async def lookups(endpoint: str, reps: int) -> dict[str, Any]:
+async def lookups(endpoint: str, reps: int, concurrency: tuple[int, ...]) -> dict[str, Any]:
     """(b) 512 present keys at each concurrency, tier and raw HEADs; 512 fresh keys."""
     chunks = [make_chunk(num_tokens=1, hidden=8) for _ in range(LOOKUP_KEYS)]
     keys = [key for key, _ in chunks]
     fresh = [random_key() for _ in range(LOOKUP_KEYS)]
     figures: dict[str, dict[int, float]] = {"tier": {}, "raw_heads": {}, "tier_fresh": {}}
-    for workers in LOOKUP_CONCURRENCY:
+    for workers in concurrency:
         tier = await open_tier(endpoint, workers, prefix="lookup/")
-        if workers == LOOKUP_CONCURRENCY[0]:
+        if workers == concurrency[0]:
             assert await tier.put(chunks) == LOOKUP_KEYS
         names = [tier.object_key(key) for key in keys]
         s3 = client(endpoint, workers, tier_settings=True)
@@ -301,6 +316,41 @@ def measure_choices(s3: Any, count: int) -> dict[str, Any]:
     }
 
 
+def facade(endpoint: str, count: int, reps: int) -> dict[str, Any]:
+    """(d) and (e)."""
+    settings = S3TierConfig(bucket=BUCKET, endpoint_url=endpoint, prefix="facade/")
+
+    def at_defaults(base: LMTierConfig) -> LMTierConfig:
+        return base.replace(s3=settings)
+
+    def generous(base: LMTierConfig) -> LMTierConfig:
+        return base.replace(s3=settings.replace(timeout_s=60))
+
+    s3 = make_client(settings)  # the tier's own client settings
+    workers = settings.max_concurrency
+    names = [f"raw-facade/{i}" for i in range(count)]
+    body = os.urandom(CHUNK_BYTES)
+    buffers = [memoryview(bytearray(CHUNK_BYTES)) for _ in names]
+
+    def get_into(index: int) -> None:
+        data = s3.get_object(Bucket=BUCKET, Key=names[index])["Body"].read()
+        buffers[index][: len(data)] = data
+
+    def get_all(pool: ThreadPoolExecutor) -> None:
+        list(pool.map(get_into, range(count)))
+
+    with ThreadPoolExecutor(workers) as pool:
+        raw = RawClient(
+            put=lambda: raw_put(s3, pool, names, [body] * count),
+            get=lambda: get_all(pool),
+            exists=lambda: raw_heads(s3, pool, names),
+        )
+        rows = facade_rows(at_defaults, "s3", raw, count, reps)
+    s3.close()
+    rows["defaults"] = defaults_row(at_defaults, generous, "s3", reps=3 if reps < 5 else 6)
+    return rows
+
+
 async def main(endpoint: str, quick: bool) -> dict[str, Any]:
     reps = 2 if quick else 5
     s3 = client(endpoint, 1, tier_settings=False)
@@ -308,9 +358,11 @@ async def main(endpoint: str, quick: bool) -> dict[str, Any]:
         s3.create_bucket(Bucket=BUCKET)
     s3.close()
     results: dict[str, Any] = {"bench": "s3", "quick": quick}
-    results["chunk_2mib"] = await throughput(endpoint, 2, 32 if quick else 64, reps)
-    results["chunk_8mib"] = await throughput(endpoint, 8, 8 if quick else 16, reps)
-    results["lookup"] = await lookups(endpoint, 1 if quick else 3)
+    workers = QUICK_CONCURRENCY if quick else CONCURRENCY
+    results["chunk_2mib"] = await throughput(endpoint, 2, 32 if quick else 64, reps, workers)
+    results["chunk_8mib"] = await throughput(endpoint, 8, 8 if quick else 16, reps, workers)
+    lookup_workers = QUICK_CONCURRENCY if quick else LOOKUP_CONCURRENCY
+    results["lookup"] = await lookups(endpoint, 1 if quick else 3, lookup_workers)
     results["transfer_choices"] = transfer_choices(20 if quick else 60)
     return results
 
@@ -328,12 +380,15 @@ def summary(results: dict[str, Any]) -> None:
         print(f"lookup {name:>26}: {value}")
     for name, value in results["transfer_choices"].items():
         print(f"{name:>30}: {value}")
+    for name, value in results["facade"].items():
+        print(f"facade {name:>23}: {value}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
     parser.add_argument("--endpoint", help="an S3 endpoint (MinIO) instead of a moto server")
+    parser.add_argument("--burner", action="store_true", help="keep one core busy throughout")
     parser.add_argument("--serve-null", type=int, help=argparse.SUPPRESS)  # for (c)
     args = parser.parse_args()
     if args.serve_null:
@@ -346,9 +401,13 @@ if __name__ == "__main__":
         os.environ.setdefault(name, value)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_burner(args.burner))
         url = args.endpoint or stack.enter_context(moto_server())
         results = asyncio.run(main(url, args.quick))
+        # The facade runs its own event loop thread: called from plain code.
+        results["facade"] = facade(url, 48 if args.quick else 128, 3 if args.quick else 5)
     results["endpoint"] = "given" if args.endpoint else "moto server"
+    results["burner"] = args.burner
     results["seconds"] = round(time.perf_counter() - started, 1)
     summary(results)
     print(json.dumps(results))
