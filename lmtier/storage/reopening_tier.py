@@ -10,7 +10,10 @@ stand-in's, so the stats keep one history.
 
 The real tier's properties are unknown until it opens, and the StorageManager reads
 them once, so the stand-in declares those of a shared remote tier, with the write
-policy, queue depth and timeout its config section names.
+policy, queue depth and timeout its config section names, and the call budget
+(:mod:`lmtier.storage.budget`) its ``timeout_s``, ``min_bytes_per_s`` and
+``lookup_key_s`` name. It owns the progress meter the guard watches and hands it to
+the real tier when that opens, as it hands over its stats.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import BackendError, BackendUnavailable
+from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.stats import TierStats
-from lmtier.storage.tier import Buffer, Tier, TierProperties
+from lmtier.storage.tier import Buffer, CheckedRead, Tier, TierProperties
 
 __all__ = ["ReopeningTier"]
 
@@ -50,6 +54,14 @@ class ReopeningTier(Tier):
             timeout_s=getattr(section, "timeout_s", None),
         )
         self.stats = TierStats()
+        timeout_s = self.properties.timeout_s
+        if timeout_s is not None:
+            self.budget = CallBudget(
+                timeout_s,
+                getattr(section, "min_bytes_per_s", None) or None,
+                getattr(section, "lookup_key_s", 0.0),
+            )
+        self.io_progress = Progress()
         self._opener = opener
         self._clock = clock
         self._retry_after_s = retry_after_s
@@ -80,6 +92,8 @@ class ReopeningTier(Tier):
             self._next_try = self._clock() + self._retry_after_s
             raise BackendUnavailable(f"{self.name}: still not reachable: {exc}") from exc
         inner.stats = self.stats
+        if hasattr(inner, "io_progress"):
+            inner.io_progress = self.io_progress  # the meter the guard already watches
         self._inner = inner
         logger.warning("%s tier is reachable again and now in use", self.name)
         return inner
@@ -94,6 +108,11 @@ class ReopeningTier(Tier):
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
     ) -> list[int | None]:
         return await (await self._tier())._read_into(keys, buffers)
+
+    async def _read_checked(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> Sequence[int | CheckedRead | None]:
+        return await (await self._tier())._read_checked(keys, buffers)
 
     async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
         return await (await self._tier()).put(items)

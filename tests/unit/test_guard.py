@@ -24,8 +24,9 @@ from lmtier.storage.guard import TierGuard
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool
 from lmtier.storage.pacing import TARGET_FRACTION, BatchPacer
-from lmtier.storage.tier import Buffer, TierProperties
-from lmtier.testing import DictTier, make_chunk
+from lmtier.storage.reopening_tier import ReopeningTier
+from lmtier.storage.tier import Buffer, Tier, TierProperties
+from lmtier.testing import DictTier, FakeClock, make_chunk
 
 STALL_S = 0.05
 """``timeout_s`` of the tiers below: how long a call may go without progress."""
@@ -191,3 +192,24 @@ def test_config_knobs_of_the_remote_tiers() -> None:
     assert (s3.timeout_s, s3.min_bytes_per_s, s3.lookup_key_s) == (2.0, 16 << 20, 0.01)
     assert RedisTierConfig(min_bytes_per_s="32MiB").min_bytes_per_s == 32 << 20
     assert S3TierConfig(min_bytes_per_s=0).min_bytes_per_s == 0  # bytes add nothing
+
+
+def test_a_stand_in_for_a_remote_tier_down_at_start_keeps_its_budget_and_meter() -> None:
+    real = MeteredTier(CallBudget(0.5, 1.0))  # its own budget and meter, replaced below
+    section = RedisTierConfig(timeout_s=0.25, min_bytes_per_s=1000, lookup_key_s=0.5)
+
+    async def opener() -> Tier:
+        return real
+
+    async def case() -> None:
+        stand_in = ReopeningTier("redis", opener, section, retry_after_s=1.0, clock=clock)
+        guard = guarded(stand_in)
+        assert guard.budget == CallBudget(0.25, 1000.0, 0.5)  # from the config section
+        assert guard.progress is stand_in.io_progress
+        clock.now = 5.0  # past the backoff: the next call opens the real tier
+        assert await stand_in.contains([make_chunk()[0]]) == 0
+        assert real.io_progress is stand_in.io_progress  # the meter the guard watches
+        await stand_in.close()
+
+    clock = FakeClock()
+    asyncio.run(case())
