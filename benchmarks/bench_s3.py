@@ -363,7 +363,7 @@ async def main(endpoint: str, quick: bool) -> dict[str, Any]:
     results["chunk_8mib"] = await throughput(endpoint, 8, 8 if quick else 16, reps, workers)
     lookup_workers = QUICK_CONCURRENCY if quick else LOOKUP_CONCURRENCY
     results["lookup"] = await lookups(endpoint, 1 if quick else 3, lookup_workers)
-    results["transfer_choices"] = transfer_choices(20 if quick else 60)
+    results["transfer_choices"] = transfer_choices(12 if quick else 60)
     return results
 
 
