@@ -52,7 +52,8 @@ def chunk_files(path: Path) -> list[Path]:
 
 
 def temp_files(path: Path) -> list[Path]:
-    return list((path / "v1" / "tmp").iterdir())
+    """Temp files of writes: beside chunk files, or in ``tmp/`` (older versions)."""
+    return sorted([*(path / "v1").glob("??/.*.tmp"), *(path / "v1" / "tmp").iterdir()])
 
 
 def bytes_on_disk(path: Path) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import os
 import pickle
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def chunk_files(path: Path) -> list[Path]:
 
 
 def temp_files(path: Path) -> list[Path]:
-    return list((path / "v1" / "tmp").iterdir())
+    """Temp files of writes: beside chunk files, or in ``tmp/`` (older versions)."""
+    return sorted([*(path / "v1").glob("??/.*.tmp"), *(path / "v1" / "tmp").iterdir()])
 
 
 async def read_back(tier: DiskTier, keys: list[ChunkKey]) -> list[bytes | None]:
@@ -163,6 +165,33 @@ def test_waves_are_a_small_part_of_capacity_and_never_empty() -> None:
 
 
 # --- what a crash leaves -----------------------------------------------------------------
+
+
+def test_temp_files_of_dead_writers_go_at_open_and_live_ones_stay(tmp_path: Path) -> None:
+    key, data = make_chunk()
+    shard = tmp_path / "v1" / key.hex()[32:34]
+    shard.mkdir(parents=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead = shard / f".{key.hex()}.{int(finished.stdout)}.0.tmp"
+    live = shard / f".{key.hex()}.{os.getpid()}.0.tmp"
+    for path in (dead, live):
+        path.write_bytes(data[:100])
+
+    async def scenario() -> None:
+        tier = await DiskTier.open(tmp_path, GIB)
+        assert temp_files(tmp_path) == [live]
+        assert (tier.foreign_files, len(tier)) == (0, 0)
+        assert await tier.put([(key, data)]) == 1  # beside a live writer's temp file
+        assert await read_back(tier, [key]) == [data]
+        await tier.close()
+
+    run(scenario)
+
 
 _WRITE_AND_DIE = """
 import asyncio, os, pickle, sys

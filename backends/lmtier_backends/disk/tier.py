@@ -2,7 +2,7 @@
 
 Layout, permissions and start-up: :mod:`lmtier_backends.disk.layout`.
 
-Writes: each chunk goes to a temp file in ``tmp/`` (same filesystem), then is
+Writes: each chunk goes to a temp file beside its chunk file, then is
 ``os.replace``-d into place: a reader opens the old file or the new one, never a
 partial file. A put writes in waves of at most 1/32 of capacity, each evicting least
 recently used files for its room just before it starts (a backlog written as one
@@ -206,6 +206,10 @@ class DiskTier(Tier):
         name = key.hex()
         return f"{self.root}/{name[32:34]}/{name}{CHUNK_SUFFIX}"
 
+    def _temp_path(self, key: ChunkKey) -> str:
+        """A fresh temp file for a write of ``key``, beside its chunk file (layout)."""
+        return f"{self.root}/{key.hex()[32:34]}/{temp_name(key)}"
+
     async def contains(self, keys: Sequence[ChunkKey]) -> int:
         return self.contains_now(keys)
 
@@ -337,7 +341,10 @@ class DiskTier(Tier):
         pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
         if pending:
             await asyncio.wait(pending.values())
-        files = [(self.path_of(k), f"{self._temp_dir}/{temp_name(k)}", v) for k, v in writes]
+        files = [
+            (path := self.path_of(k), f"{path[: path.rfind('/')]}/{temp_name(k)}", v)
+            for k, v in writes
+        ]
         done = await write_batch(
             pool,
             self.io_threads,
