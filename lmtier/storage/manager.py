@@ -115,7 +115,7 @@ class StorageManager:
         sign = self.check.mac.sign if self.check.mac is not None else None
         self.writes = BackgroundWrites(memory, list(self.guards.values()), Sealer(sign))
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
-        self._read_pacers = {t.name: BatchPacer(self._timeout(t)) for t in self.tiers}
+        self._read_pacers = {t.name: BatchPacer(self.guards[t.name].budget) for t in self.tiers}
         self._verifier: ThreadPoolExecutor | None = None
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
         self._evict_listeners: list[EvictListener] = []
@@ -176,7 +176,9 @@ class StorageManager:
 
     async def _contains(self, tier: Tier, keys: Sequence[ChunkKey]) -> int:
         started = time.perf_counter()
-        count, _ = await self.guards[tier.name].call("contains", lambda: tier.contains(keys))
+        count, _ = await self.guards[tier.name].call(
+            "contains", lambda: tier.contains(keys), num_keys=len(keys)
+        )
         tier.stats.lookup_latency.record(time.perf_counter() - started)
         return 0 if count is None else max(0, min(count, len(keys)))
 
@@ -288,7 +290,10 @@ class StorageManager:
             views = [handle.view for handle in handles]
             started = time.perf_counter()
             read, timed_out = await self.guards[tier.name].call(
-                "get", lambda: tier.read_chunks(keys, views), lambda: _release_all(io_leases)
+                "get",
+                lambda: tier.read_chunks(keys, views),
+                lambda: _release_all(io_leases),
+                num_bytes=len(keys) * self._chunk_bytes,
             )
             elapsed = time.perf_counter() - started
             tier.stats.read_latency.record(elapsed)
@@ -332,7 +337,7 @@ class StorageManager:
     async def _reject(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
         """Chunks that passed the tier's checks but not ours: delete and count them."""
         tier.stats.corrupt += len(keys)
-        await self.guards[tier.name].call("delete", lambda: tier.delete(keys))
+        await self.guards[tier.name].call("delete", lambda: tier.delete(keys), num_keys=len(keys))
 
     def acquire_slabs(self, count: int, count_drops: bool = False) -> list[SlabHandle]:
         """Up to ``count`` free slabs, evicting idle cached chunks; fewer when readers
