@@ -80,7 +80,14 @@ from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, Conf
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, Rule, settle
 from lmtier.storage.stats import TierStats
-from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties, WritePolicy
+from lmtier.storage.tier import (
+    DEFAULT_QUEUE_DEPTH,
+    UNSERVABLE,
+    Buffer,
+    Tier,
+    TierProperties,
+    WritePolicy,
+)
 from lmtier_backends.redis.client import Node, Route, open_route
 from lmtier_backends.redis.wire import Reply, exchange, pack_command, pack_key_commands
 
@@ -125,7 +132,7 @@ class RedisTier(Tier):
         cluster: bool | None = None,
         read_retries: int = 2,
         write_policy: WritePolicy = "write_through",
-        queue_depth: int = 256,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
         name: str = "redis",
     ) -> None:
         if not timeout_s > 0:
