@@ -43,6 +43,7 @@ from statistics import median
 from typing import Any
 
 import aiofiles
+import disk_raw
 import numpy as np
 import torch
 from disk_raw import (
@@ -52,7 +53,6 @@ from disk_raw import (
     aligned_buffers,
     drop_page_cache,
     files_under,
-    raw_cold_read,
     raw_pass,
     raw_write_pass,
     timed,
@@ -178,20 +178,12 @@ def facade_store(root: str, num_chunks: int) -> float:
     return seconds
 
 
-def in_new_process(cold: Sequence[str], *args: str) -> dict[str, float]:
-    """Run this script with ``args`` in a new process, files ``cold`` dropped from the
+def in_new_process(cold: Sequence[str], *command: str) -> dict[str, float]:
+    """Run ``command`` (python args) in a new process, files ``cold`` dropped from the
     page cache first (a user's process after a restart); the JSON object it prints."""
     drop_page_cache(cold)
-    out = subprocess.run(
-        [sys.executable, __file__, *args], check=True, capture_output=True, text=True
-    )
+    out = subprocess.run([sys.executable, *command], check=True, capture_output=True, text=True)
     return dict(json.loads(out.stdout.splitlines()[-1]))
-
-
-def raw_child(root: str, num_chunks: int, threads: int, direct: bool) -> None:
-    """In a new process: the baseline, the prompt's files read cold, raw; print JSON."""
-    paths = facade_paths(root, num_chunks)
-    print(json.dumps({"read_s": raw_cold_read(paths, threads, direct)}))
 
 
 def facade_child(root: str, num_chunks: int) -> None:
@@ -244,10 +236,13 @@ def measure_facade(workdir: str, num_chunks: int, repeats: int) -> dict[str, Any
             target = tempfile.mkdtemp(dir=workdir)
             add(f"raw_{mode}", raw_write_pass(target, views, 4, mode))
             shutil.rmtree(target)
-        add("load", in_new_process(paths, "--facade-child", root, str(num_chunks))["load_s"])
+        child = (__file__, "--facade-child", root, str(num_chunks))
+        add("load", in_new_process(paths, *child)["load_s"])
+        listing = Path(workdir, "paths")
+        listing.write_text("\n".join(paths))
         for name, (threads, direct) in RAW_COLD_READS.items():
-            args = (root, str(num_chunks), str(threads), str(direct))
-            add(f"raw_read_{name}", in_new_process(paths, "--raw-child", *args)["read_s"])
+            raw = (disk_raw.__file__, str(listing), str(threads), str(direct))
+            add(f"raw_read_{name}", in_new_process(paths, *raw)["read_s"])
     nbytes = sum(os.path.getsize(p) for p in paths)
 
     def versus(facade: str, raw_prefix: str) -> tuple[str, float]:
@@ -255,8 +250,6 @@ def measure_facade(workdir: str, num_chunks: int, repeats: int) -> dict[str, Any
         pairs = zip(times[raw], times[facade], strict=True)
         return raw, round(median(r / f for r, f in pairs), 3)
 
-    if os.environ.get("BENCH_DISK_ROUNDS"):
-        print(json.dumps({k: [round(x, 4) for x in v] for k, v in times.items()}))
     read_baseline, read_ratio = versus("load", "raw_read")
     write_baseline, write_ratio = versus("store", "raw_write")
     return {
@@ -269,6 +262,8 @@ def measure_facade(workdir: str, num_chunks: int, repeats: int) -> dict[str, Any
         "facade_load_baseline": read_baseline,
         "facade_load_baseline_gbps": gbps(nbytes, median(times[read_baseline])),
         "facade_load_cold_vs_best_raw_paired": read_ratio,
+        "facade_load_rounds_s": [round(x, 4) for x in times["load"]],
+        "facade_load_baseline_rounds_s": [round(x, 4) for x in times[read_baseline]],
     }
 
 
@@ -338,14 +333,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer chunks and files (< 60 s)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to put the files")
     parser.add_argument("--facade-child", nargs=2, help=argparse.SUPPRESS)  # DIR CHUNKS
-    parser.add_argument("--raw-child", nargs=4, help=argparse.SUPPRESS)  # + THREADS DIRECT
     args = parser.parse_args()
     if args.facade_child:
         facade_child(args.facade_child[0], int(args.facade_child[1]))
-        return
-    if args.raw_child:
-        root, chunks, threads, direct = args.raw_child
-        raw_child(root, int(chunks), int(threads), direct == "1")
         return
     num_chunks, repeats = (128, 3) if args.quick else (128, 7)
     startup_files = 20_000 if args.quick else 100_000

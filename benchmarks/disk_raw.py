@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import json
 import mmap
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -135,3 +137,16 @@ def raw_pass(workdir: str, views: Sequence[memoryview], threads: int, mode: str)
     raw_write_pass(workdir, views, threads, "write_buffered_syncfs")
     paths = [os.path.join(workdir, f"{i}.raw") for i in range(len(views))]
     return raw_cold_read(paths, threads, mode == "read_direct")
+
+
+def main() -> None:
+    """``python disk_raw.py PATHS_FILE THREADS DIRECT``: one cold read of the files
+    listed in PATHS_FILE (one a line), in this new process; prints JSON seconds."""
+    paths_file, threads, direct = sys.argv[1:4]
+    with open(paths_file) as f:
+        paths = f.read().split()
+    print(json.dumps({"read_s": raw_cold_read(paths, int(threads), direct == "1")}))
+
+
+if __name__ == "__main__":
+    main()
