@@ -13,7 +13,8 @@
 
 It owns a :class:`~lmtier.runtime.Runtime` (one event loop thread) and the
 StorageManager on it; every method may be called from any thread. Token ids are
-hashed in the calling thread; only tier work goes through the loop.
+hashed in the calling thread; tier I/O goes through the loop; a store touches only
+host memory, under the manager's lock, and never waits for the loop.
 
 Bad arguments are typed lmtier errors that say what to pass (InvalidRequestError
 and its InvalidTokensError and InvalidKVError, ConfigError for the cache's own
@@ -315,7 +316,7 @@ class LMTier:
         chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
         _require_int("count", count)
         manager = self._require()
-        return self._runtime.call(manager.acquire_slabs, count, True) if count > 0 else []
+        return manager.acquire_slabs(count, True) if count > 0 else []
 
     def seal_slab(self, handle: SlabHandle, meta: ChunkMeta) -> int:
         """Frame a payload already copied into ``handle``'s slab at its place
@@ -331,7 +332,7 @@ class LMTier:
         background. Returns how many every write-through tier's queue took (the rest
         were dropped there, and counted in its ``queue_drops``)."""
         manager = self._require()
-        return self._runtime.call(manager.put_many, encoded) if encoded else 0
+        return manager.put_many(encoded) if encoded else 0
 
     def load(
         self,
@@ -438,16 +439,17 @@ class LMTier:
     def add_evict_listener(self, callback: EvictListener) -> None:
         """Call ``callback(key)`` with the key of every chunk the CPU tier evicts from
         now on (the chunk may still be in a lower tier). Registration is thread-safe;
-        the callback runs on the runtime's loop thread, inside the eviction, so it must
-        be quick, thread-safe with respect to the caller's own state, and must not call
-        back into this cache. One that raises is logged and ignored."""
-        self._runtime.call(self._require().add_evict_listener, callback)
+        the callback runs inside the eviction, under the cache's lock, in the thread
+        that caused it (the runtime's loop, or one calling :meth:`store` or
+        :meth:`put_encoded`), so it must be quick, thread-safe, and must not call back
+        into this cache. One that raises is logged and ignored."""
+        self._require().add_evict_listener(callback)
 
     def remove_evict_listener(self, callback: EvictListener) -> None:
         """Stop calling ``callback`` (a no-op once the cache is closed)."""
         manager = self._manager
         if manager is not None:
-            self._runtime.call(manager.remove_evict_listener, callback)
+            manager.remove_evict_listener(callback)
 
     def flush(self) -> None:
         """Wait until background writes queued so far have been attempted."""

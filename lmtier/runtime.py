@@ -3,9 +3,10 @@
 All tier I/O in a process runs on the loop of one :class:`Runtime`, in a daemon
 thread. Engine code (a forward pass, a scheduler) is synchronous and multi-threaded:
 it calls :meth:`Runtime.run` from any thread, which schedules the coroutine on the
-loop and waits for it. Tiers and the StorageManager therefore never see two
-threads: their state needs no locks (the host pool, whose leases are released from
-engine threads, is the one exception and has its own).
+loop and waits for it. Tiers therefore never see two threads: their state needs no
+locks. The exceptions have their own: the host pool (leases are released from
+engine threads) and host-memory state, which a store changes from its own thread
+under the StorageManager's lock, so that it never waits for this loop.
 
 The loop is started by :meth:`start` (or ``with Runtime() as rt``), never in the
 constructor, and :meth:`stop` cancels what is left and joins the thread.

@@ -74,6 +74,10 @@ class CPUTier(Tier):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[ChunkKey]:
+        """The cached keys, least recently used first (a snapshot)."""
+        return list(self._entries)
+
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is cached (no stats, no recency change; any thread)."""
         return key in self._entries
@@ -213,7 +217,8 @@ class CPUTier(Tier):
             stored += self.adopt(key, handle, len(view))
         return stored
 
-    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+    def discard(self, keys: Sequence[ChunkKey]) -> int:
+        """Drop these chunks now (synchronous :meth:`delete`); how many were cached."""
         removed = 0
         for key in keys:
             entry = self._entries.pop(key, None)
@@ -222,5 +227,8 @@ class CPUTier(Tier):
                 removed += 1
         return removed
 
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return self.discard(keys)
+
     async def close(self) -> None:
-        await self.delete(list(self._entries))
+        self.discard(list(self._entries))

@@ -39,13 +39,22 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
   call's task finishes (:mod:`lmtier.storage.guard`). A late read therefore lands in a slab
   nobody else has, and is dropped with it.
 
-All methods run on the runtime's event loop (see :mod:`lmtier.runtime`).
+Threads: everything runs on the runtime's event loop (see :mod:`lmtier.runtime`),
+except what a store does: :meth:`StorageManager.acquire_slabs`, :meth:`StorageManager.put`
+and :meth:`StorageManager.put_many` may be called from any thread, so that
+``LMTier.store`` never waits for the loop (a hop to it cost 1-2 ms, not 20 us, while
+torch's idle OpenMP workers spin on the other core of a busy machine). Host-memory
+state (the CPU tier's index and write leases, the write queues' reservations) is
+therefore guarded by one lock, :attr:`StorageManager.lock`, wherever it changes; evict
+listeners run under it, in the thread that caused the eviction. Lookups read the CPU
+tier's index without it (membership tests), as they did from any thread before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,8 +86,9 @@ ABANDONED_WAIT_S = 2.0
 """How long :meth:`StorageManager.close` waits for abandoned calls to finish their I/O."""
 
 EvictListener = Callable[[ChunkKey], None]
-"""Told the key of a chunk the CPU tier evicted; runs on the runtime's loop thread,
-inside the eviction, so it must be quick and must not call back into the manager."""
+"""Told the key of a chunk the CPU tier evicted; runs inside the eviction, under the
+manager's lock, in the thread that caused it (the loop's, or one storing), so it must
+be quick, thread-safe, and must not call back into the manager."""
 
 
 def _release_all(handles: Sequence[SlabHandle]) -> None:
@@ -113,7 +123,12 @@ class StorageManager:
             t.name: TierGuard(t, self._timeout(t), breaker_factory()) for t in self.tiers
         }
         sign = self.check.mac.sign if self.check.mac is not None else None
-        self.writes = BackgroundWrites(memory, list(self.guards.values()), Sealer(sign))
+        self.lock = threading.RLock()
+        """Guards host-memory state (module docstring); re-entrant, since an eviction
+        inside a put queues a write-back."""
+        self.writes = BackgroundWrites(
+            memory, list(self.guards.values()), Sealer(sign), lock=self.lock
+        )
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
         self._read_pacers = {t.name: BatchPacer(self.guards[t.name].budget) for t in self.tiers}
         self._verifier: ThreadPoolExecutor | None = None
@@ -243,20 +258,28 @@ class StorageManager:
 
     async def _get_from_memory(self, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
         chunks: list[LoadedChunk] = []
-        for key in keys:
-            shared = self.memory.share(key)
-            if shared is None:
-                break
-            handle, size = shared
-            chunk = self.check.header(key, handle.view[:size])
-            if chunk is None:  # never expected: a bug elsewhere, caught before it is served
-                handle.release()
-                self.memory.stats.corrupt += 1
-                logger.error("%s: cached chunk %s failed its check", self.memory.name, key.hex())
-                await self.memory.delete([key])
-                break
-            chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
+        with self.lock:
+            for key in keys:
+                shared = self.memory.share(key)
+                if shared is None:
+                    break
+                handle, size = shared
+                chunk = self.check.header(key, handle.view[:size])
+                if chunk is None:  # never expected: a bug elsewhere, caught before it is served
+                    handle.release()
+                    self.memory.stats.corrupt += 1
+                    logger.error(
+                        "%s: cached chunk %s failed its check", self.memory.name, key.hex()
+                    )
+                    self._forget([key])
+                    break
+                chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
         return chunks
+
+    def _forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop chunks from the CPU tier."""
+        with self.lock:
+            self.memory.discard(keys)
 
     async def _get_from_tier(
         self, tier: Tier, keys: Sequence[ChunkKey], *, first: int | None = None
@@ -342,23 +365,26 @@ class StorageManager:
     def acquire_slabs(self, count: int, count_drops: bool = False) -> list[SlabHandle]:
         """Up to ``count`` free slabs, evicting idle cached chunks; fewer when readers
         and writes in flight hold the rest (with ``count_drops``, the shortfall is
-        counted in the CPU tier's ``queue_drops``: chunks a store could not keep)."""
+        counted in the CPU tier's ``queue_drops``: chunks a store could not keep).
+        Any thread."""
         handles: list[SlabHandle] = []
-        for _ in range(count):
-            handle = self.memory.acquire_slab()
-            if handle is None:
-                if count_drops:
-                    self.memory.stats.queue_drops += count - len(handles)
-                break
-            handles.append(handle)
+        with self.lock:
+            for _ in range(count):
+                handle = self.memory.acquire_slab()
+                if handle is None:
+                    if count_drops:
+                        self.memory.stats.queue_drops += count - len(handles)
+                    break
+                handles.append(handle)
         return handles
 
     def _promote(self, source: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
-        self.memory.adopt(key, handle.share(), size)
-        for tier in self.tiers:
-            if tier is source:
-                break
-            self.writes.enqueue(tier, key, handle, size)
+        with self.lock:
+            self.memory.adopt(key, handle.share(), size)
+            for tier in self.tiers:
+                if tier is source:
+                    break
+                self.writes.enqueue(tier, key, handle, size)
 
     # ---- put --------------------------------------------------------------------
 
@@ -368,35 +394,48 @@ class StorageManager:
         The CPU tier adopts it now; write-through tiers get it in the background.
         Returns whether every write-through tier's queue took it: False when a full
         queue dropped it for some tier (counted there in ``queue_drops``), so that a
-        caller never reports as stored a chunk that a tier will not receive.
+        caller never reports as stored a chunk that a tier will not receive. Any thread.
         """
-        if self._closed:
-            handle.release()
-            raise CacheClosedError("put on a closed StorageManager")
-        queued = True
-        for tier in self.tiers:
-            if tier.properties.write_policy == "write_through":
-                queued = self.writes.enqueue(tier, key, handle, size) and queued
-        self.memory.adopt(key, handle, size)
-        return queued
+        with self.lock:
+            if self._closed:
+                handle.release()
+                raise CacheClosedError("put on a closed StorageManager")
+            queued = True
+            for tier in self.tiers:
+                if tier.properties.write_policy == "write_through":
+                    queued = self.writes.enqueue(tier, key, handle, size) and queued
+            self.memory.adopt(key, handle, size)
+            return queued
 
     def put_many(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
-        """:meth:`put` each ``(key, lease, encoded length)``; how many every tier took."""
-        return sum(self.put(key, handle, size) for key, handle, size in encoded)
+        """:meth:`put` each ``(key, lease, encoded length)``; how many every tier took.
+        Any thread; a lease not put (the manager closed meanwhile) is released."""
+        stored = 0
+        with self.lock:
+            for at, (key, handle, size) in enumerate(encoded):
+                try:
+                    stored += self.put(key, handle, size)
+                except CacheClosedError:
+                    for _, rest, _ in encoded[at + 1 :]:
+                        rest.release()
+                    raise
+        return stored
 
     def add_evict_listener(self, callback: EvictListener) -> None:
         """Call ``callback(key)`` for every chunk the CPU tier evicts from now on, in
-        eviction order, on the runtime's loop thread (see :data:`EvictListener`).
+        eviction order, under :attr:`lock`, in the thread that caused the eviction
+        (see :data:`EvictListener`). Any thread.
 
         A listener that raises is logged and ignored: it never breaks an eviction.
-        Call on the loop thread (:meth:`lmtier.api.LMTier.add_evict_listener` does).
         """
-        self._evict_listeners.append(callback)
+        with self.lock:
+            self._evict_listeners.append(callback)
 
     def remove_evict_listener(self, callback: EvictListener) -> None:
-        """Stop calling ``callback``; a callback never added is ignored."""
-        if callback in self._evict_listeners:
-            self._evict_listeners.remove(callback)
+        """Stop calling ``callback``; a callback never added is ignored. Any thread."""
+        with self.lock:
+            if callback in self._evict_listeners:
+                self._evict_listeners.remove(callback)
 
     def _on_evict(self, key: ChunkKey, handle: SlabHandle, size: int) -> None:
         for tier in self._write_back:
@@ -421,7 +460,9 @@ class StorageManager:
         if self._closed:
             return
         await self.writes.close()
-        self._closed = True
+        with self.lock:
+            self._closed = True
+            self.memory.discard(list(self.memory.keys()))
         abandoned = {task for guard in self.guards.values() for task in guard.abandoned}
         if abandoned:
             await asyncio.wait(abandoned, timeout=ABANDONED_WAIT_S)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ CLOSE_FLUSH_S = 30.0
 queued then is dropped (and counted). Call ``flush()`` first to wait for all."""
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 @dataclass(slots=True)
 class _Write:
     key: ChunkKey
@@ -50,26 +58,44 @@ class _Write:
 
 
 class BackgroundWrites:
-    """The write queues and writers of a StorageManager's byte tiers. Loop-only."""
+    """The write queues and writers of a StorageManager's byte tiers.
+
+    Loop-only, except :meth:`enqueue`, which any thread may call holding ``lock`` (the
+    StorageManager's): a write queued off the loop reserves its place at once (so the
+    caller learns at once whether it was dropped) and reaches its queue through the
+    loop's thread-safe callback, in the order it was queued.
+    """
 
     def __init__(
-        self, memory: CPUTier, guards: Sequence[TierGuard], sealer: Sealer | None = None
+        self,
+        memory: CPUTier,
+        guards: Sequence[TierGuard],
+        sealer: Sealer | None = None,
+        *,
+        lock: threading.RLock | None = None,
     ) -> None:
         self.memory = memory
         self.sealer = sealer or Sealer()
+        self.lock = lock or threading.RLock()
         self.guards = {guard.tier.name: guard for guard in guards}
         self.pacers = {name: BatchPacer(guard.budget) for name, guard in self.guards.items()}
         self._queues: dict[str, asyncio.Queue[_Write]] = {}
+        self._depths: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}
+        """Writes queued or on their way to the queue, per tier (under ``lock``)."""
         self._writers: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     def start(self) -> None:
         """Start one writer per tier. Call once, on the runtime's loop."""
+        self._loop = asyncio.get_running_loop()
         # A queue's writes hold slabs; half the pool stays for caching and loads.
         most = max(1, self.memory.pool.num_slabs // 2)
         for name, guard in self.guards.items():
-            depth = min(guard.tier.properties.queue_depth, most)
-            queue: asyncio.Queue[_Write] = asyncio.Queue(depth)
+            self._depths[name] = min(guard.tier.properties.queue_depth, most)
+            self._waiting[name] = 0
+            queue: asyncio.Queue[_Write] = asyncio.Queue()  # bounded by the reservations
             self._queues[name] = queue
             task = self._writer(guard, queue, self.pacers[name])
             self._writers.append(asyncio.create_task(task, name=f"lmtier-writer-{name}"))
@@ -77,20 +103,26 @@ class BackgroundWrites:
     def enqueue(self, tier: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> bool:
         """Queue a write of the chunk in ``handle``'s slab to ``tier`` (a write lease of
         its own: the caller keeps its lease). False when it was not queued: the queue is
-        full (counted in ``queue_drops``) or the writes are closed."""
-        queue = self._queues.get(tier.name)
-        if queue is None or self._closed:
-            return False
-        if queue.full():
-            tier.stats.queue_drops += 1
-            return False
-        queue.put_nowait(_Write(key, self.memory.share_for_write(handle), size))
+        full (counted in ``queue_drops``) or the writes are closed. Any thread, holding
+        ``lock``."""
+        with self.lock:
+            queue, loop = self._queues.get(tier.name), self._loop
+            if queue is None or loop is None or self._closed:
+                return False
+            if self._waiting[tier.name] >= self._depths[tier.name]:
+                tier.stats.queue_drops += 1
+                return False
+            self._waiting[tier.name] += 1
+            write = _Write(key, self.memory.share_for_write(handle), size)
+        if _on_loop(loop):
+            queue.put_nowait(write)
+        else:
+            loop.call_soon_threadsafe(queue.put_nowait, write)
         return True
 
     def depth(self, tier: Tier) -> int | None:
         """Writes waiting for ``tier`` (None: it has no queue)."""
-        queue = self._queues.get(tier.name)
-        return None if queue is None else queue.qsize()
+        return self._waiting.get(tier.name)
 
     async def _writer(
         self, guard: TierGuard, queue: asyncio.Queue[_Write], pacer: BatchPacer
@@ -102,6 +134,8 @@ class BackgroundWrites:
             while len(batch) < limit and not queue.empty():
                 batch.append(queue.get_nowait())
             taken = len(batch)
+            with self.lock:
+                self._waiting[tier.name] -= taken
             try:
                 batch = await self._sealed(tier, batch)
             except BaseException:
@@ -148,8 +182,9 @@ class BackgroundWrites:
         return [w for w, good in zip(batch, ok, strict=True) if good]
 
     def _release(self, batch: list[_Write]) -> None:
-        for write in batch:
-            self.memory.release_write(write.handle)
+        with self.lock:
+            for write in batch:
+                self.memory.release_write(write.handle)
 
     async def flush(self) -> None:
         """Wait until every queued write has been attempted."""
@@ -164,13 +199,17 @@ class BackgroundWrites:
             await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
         except asyncio.TimeoutError:
             logger.warning("close: writes still queued after %s s are dropped", CLOSE_FLUSH_S)
-        self._closed = True
+        with self.lock:
+            self._closed = True
+        await asyncio.sleep(0)  # writes queued from other threads before now land first
         for task in self._writers:
             task.cancel()
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers.clear()
         self.sealer.close()
-        for name, queue in self._queues.items():
-            while not queue.empty():
-                self.memory.release_write(queue.get_nowait().handle)
-                self.guards[name].tier.stats.queue_drops += 1
+        with self.lock:
+            for name, queue in self._queues.items():
+                while not queue.empty():
+                    self.memory.release_write(queue.get_nowait().handle)
+                    self.guards[name].tier.stats.queue_drops += 1
+                self._waiting[name] = 0

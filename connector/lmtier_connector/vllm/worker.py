@@ -334,7 +334,8 @@ class WorkerHalf:
             entry.stored = True
 
     def _on_evict(self, key: ChunkKey) -> None:
-        """Evict listener (the runtime's loop thread): queue the chunk's BlockRemoved."""
+        """Evict listener (the thread that caused the eviction, under the cache's lock):
+        queue the chunk's BlockRemoved."""
         with self._events_lock:
             entry = self._announced.get(key)
             if entry is None:
