@@ -19,20 +19,21 @@ stored stays) and an LRU simulation with the disk tier's capacity in chunks (a h
 refreshes a chunk; stored chunks are the most recent); and the raw write rate of this
 machine's disk for such files (plain os calls on 4 threads, each new file evicting
 an old one, as a full cache does), measured in the same run, beside the burner if
-there is one. Replays are paced so that their stores offer a fraction (``--load``)
-of that raw rate, the way an engine's compute paces a real cache, and one runs
-unpaced (as fast as the facade goes: its requests/s). The replay's own work (hashing,
-loads, stores) shares the two cores with the disk tier's threads, so a load of 1.0
-cannot be met here. Target, at the first load: token hit ratio >= 0.98x the LRU
-figure, 0 disk queue drops, with ``--burner`` (another process spinning on one core,
-as an inference engine beside the cache does).
+there is one. One replay runs unpaced (as fast as the facade goes: its requests/s);
+the others are paced the way an engine's compute paces a real cache, at a fraction
+(``--load``) of the lower of two ceilings: the request rate whose stores the raw disk
+could take (raw file writes/s over the LRU's writes per request) and the unpaced
+replay's rate (the replay's own work, hashing, loads and stores, shares the two cores
+with the disk tier's threads). Target, at the first load: token hit ratio >= 0.98x
+the LRU figure, 0 disk queue drops, with ``--burner`` (another process spinning on
+one core, as an inference engine beside the cache does).
 
 Workloads: a seeded synthetic one (default), or ``--trace FILE``: ShareGPT-style JSON
 (a list of {"conversations": [{"from": "human"|"gpt"|"system", "value": text}, ...]}),
 tokenised deterministically without a tokenizer (words and punctuation, long words
 cut every 4 characters, each piece's CRC32 modulo a 32k vocabulary).
 
-Usage: python benchmarks/bench_trace.py [--quick] [--burner] [--trace FILE] [--load 0.2,0.4]
+Usage: python benchmarks/bench_trace.py [--quick] [--burner] [--trace FILE] [--load 0.25,0.5]
        [--requests N] [--fsync true]   (last line: one JSON object)
 """
 
@@ -326,9 +327,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--burner", action="store_true", help="spin one core meanwhile")
     parser.add_argument(
         "--load",
-        default="0.2,0.4",
-        help="paced replays, comma-separated: the stores offer this fraction of the raw "
-        "write rate measured in the same run; the first is the target row (default 0.2,0.4)",
+        default="0.25,0.5",
+        help="paced replays, comma-separated: at this fraction of the lower ceiling of the "
+        "raw disk's and the unpaced replay's request rates; the first is the target row",
     )
     parser.add_argument("--fsync", help="disk.fsync for the replays (default: the config's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -351,14 +352,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             raw_rate = raw_write_rate(workdir, file_bytes, disk_chunks, 1.5 if args.quick else 3)
             per_request = lru.writes / len(workload.requests)
             runs: dict[str, dict[str, Any]] = {}
-            for name, rate in [
-                *((f"load_{load:g}", load * raw_rate / per_request) for load in loads),
-                ("unpaced", None),
-            ]:
+            ceiling = raw_rate / per_request
+            for name, load in [("unpaced", None), *((f"load_{x:g}", x) for x in loads)]:
                 where = tempfile.mkdtemp(dir=workdir)
                 config = cache_config(where, disk_chunks, cpu_chunks, args.fsync)
-                runs[name] = replay(workload, config, rate)
+                runs[name] = replay(workload, config, None if load is None else load * ceiling)
                 runs[name]["hit_vs_lru"] = round(runs[name]["token_hit_ratio"] / lru.hit_ratio, 3)
+                ceiling = min(ceiling, runs["unpaced"]["requests_per_s"])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     target = runs[f"load_{loads[0]:g}"]
@@ -376,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "fsync": args.fsync or "default",
         "raw_file_writes_per_s": round(raw_rate, 1),
         "lru_writes_per_request": round(per_request, 2),
+        "raw_requests_per_s": round(raw_rate / per_request, 1),
         "ideal_hit_ratio": round(ideal.hit_ratio, 4),
         "lru_hit_ratio": round(lru.hit_ratio, 4),
         "target_load": loads[0],
