@@ -341,10 +341,7 @@ class DiskTier(Tier):
         pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
         if pending:
             await asyncio.wait(pending.values())
-        files = [
-            (path := self.path_of(k), f"{path[: path.rfind('/')]}/{temp_name(k)}", v)
-            for k, v in writes
-        ]
+        files = [(self.path_of(k), self._temp_path(k), v) for k, v in writes]
         done = await write_batch(
             pool,
             self.io_threads,
