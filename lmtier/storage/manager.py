@@ -7,20 +7,11 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
 * **lookup** asks the CPU tier how many leading chunks it holds, asks the next tier
   only about the rest, and so on: one batched call per tier, and a tier that fails
   or times out answers 0 (a miss), never an error.
-* **get** serves CPU hits zero-copy (another lease on the cached slab), reads lower
-  hits straight into fresh pool slabs, and promotes them: the CPU tier adopts the
-  slab (no copy) and the byte tiers above the one that served it get the chunk in
-  the background. It stops at the first chunk that cannot be served. A load given
-  no lookup does not make one: it reads each tier directly for what the tiers above
-  did not serve (a miss answers like a lookup), so a remote tier costs one round trip
-  per batch, not a lookup's and then a read's. Reads go to a
-  tier in batches sized by :mod:`lmtier.storage.pacing`, one after another, so that a slow
-  but healthy tier serves a long prompt batch by batch instead of timing out whole.
-* **checks**: every chunk served, from any tier, host memory included, must be the
-  chunk asked for, of the cache's geometry, and authentic when it comes from a
-  shared tier and an integrity key is set (:class:`~lmtier.storage.check.ChunkCheck`);
-  one that is not is deleted from its tier, counted in ``corrupt``, and the load
-  stops there.
+* **get** (:mod:`lmtier.storage.reads`) serves CPU hits zero-copy, reads lower hits
+  straight into fresh pool slabs in paced batches, checks every chunk (the one asked
+  for, the cache's geometry, a MAC from shared tiers), promotes what lower tiers
+  served, and stops at the first chunk that cannot be served. A load given no lookup
+  does not make one: it reads each tier for what the tiers above did not serve.
 * **put** lands in the CPU tier synchronously and goes to each ``write_through``
   tier through a bounded queue (:mod:`lmtier.storage.writes`); ``write_back`` tiers
   get chunks the CPU tier evicts. A full queue drops the write and counts it:
@@ -28,16 +19,17 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
 * **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
   every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
   be in a lower tier); an engine integration uses it to announce removals.
-* **failures**: every call to a byte tier goes through its :class:`~lmtier.storage.guard.TierGuard`:
-  a timeout (the tier's ``timeout_s``, else the manager's default), an exception
+* **failures**: every call to a byte tier goes through its
+  :class:`~lmtier.storage.guard.TierGuard`: a deadline that grows with the call's bytes
+  and keys (:mod:`lmtier.storage.budget`), an exception
   turned into a miss and a counter, and a circuit breaker that turns a dead tier
   into a fast miss until a probe succeeds.
 * **slabs in flight**: a call that times out (or whose caller is cancelled) is
   abandoned, not awaited, but its I/O may still be reading or writing the slabs it
   was given. Those slabs stay out of the pool until the call is really over: a read
   holds leases of its own, a write keeps its write leases, both released when the
-  call's task finishes (:mod:`lmtier.storage.guard`). A late read therefore lands in a slab
-  nobody else has, and is dropped with it.
+  call's task finishes (:mod:`lmtier.storage.guard`). A late read therefore lands in a
+  slab nobody else has, and is dropped with it.
 
 Threads: everything runs on the runtime's event loop (see :mod:`lmtier.runtime`),
 except what a store does: :meth:`StorageManager.acquire_slabs`, :meth:`StorageManager.put`
@@ -57,19 +49,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-from lmtier.chunks.format import DecodedChunk
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import CacheClosedError
-from lmtier.storage.blocking import run_blocking
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
 from lmtier.storage.memory import SlabHandle
-from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.pacing import MAX_CHUNKS
+from lmtier.storage.reads import Reads
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.storage.writes import BackgroundWrites
@@ -80,8 +70,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Timeout of a tier call when the tier declares none: even a local disk can hang."""
-SPECULATIVE_FIRST = 1
-"""Chunks in the first read of a tier asked without a lookup (see ``_get_walking``)."""
 ABANDONED_WAIT_S = 2.0
 """How long :meth:`StorageManager.close` waits for abandoned calls to finish their I/O."""
 
@@ -89,11 +77,6 @@ EvictListener = Callable[[ChunkKey], None]
 """Told the key of a chunk the CPU tier evicted; runs inside the eviction, under the
 manager's lock, in the thread that caused it (the loop's, or one storing), so it must
 be quick, thread-safe, and must not call back into the manager."""
-
-
-def _release_all(handles: Sequence[SlabHandle]) -> None:
-    for handle in handles:
-        handle.release()
 
 
 class StorageManager:
@@ -130,17 +113,15 @@ class StorageManager:
             memory, list(self.guards.values()), Sealer(sign), lock=self.lock
         )
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
-        self._read_pacers = {t.name: BatchPacer(self.guards[t.name].budget) for t in self.tiers}
-        self._verifier: ThreadPoolExecutor | None = None
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
         self._evict_listeners: list[EvictListener] = []
         memory.on_evict = self._on_evict
         self._closed = False
+        self.reads = Reads(self)
 
     async def start(self) -> None:
         """Start one background writer per byte tier. Call once, on the runtime's loop."""
-        if self.check.mac is not None and any(t.properties.shared for t in self.tiers):
-            self._verifier = ThreadPoolExecutor(2, thread_name_prefix="lmtier-verify")
+        self.reads.start()
         self.writes.start()
 
     def _timeout(self, tier: Tier) -> float:
@@ -202,165 +183,9 @@ class StorageManager:
     async def get(
         self, keys: Sequence[ChunkKey], lookup: Lookup | None = None
     ) -> list[LoadedChunk]:
-        """Load the leading chunks of ``keys`` that can be served, in order.
-
-        With the ``lookup`` just made for these keys, each span is read from the tier
-        it names. Without one, the load is its own walk (:meth:`_get_walking`): no
-        lookup round trips before the reads. The result may be shorter than a lookup
-        said when a chunk vanished, failed a check, or its tier was too slow since;
-        it never has a gap.
-        """
-        loaded: list[LoadedChunk] = []
-        try:
-            if lookup is None:
-                await self._get_walking(keys, loaded)
-                return loaded
-            for span in lookup.spans:
-                span_keys = keys[span.start : span.stop]
-                if span.tier == self.memory.name:
-                    chunks = await self._get_from_memory(span_keys)
-                else:
-                    chunks = await self._get_from_tier(self._tier(span.tier), span_keys)
-                loaded.extend(chunks)
-                if len(chunks) < len(span_keys):
-                    break
-        except BaseException:
-            for chunk in loaded:
-                chunk.release()
-            raise
-        return loaded
-
-    async def _get_walking(self, keys: Sequence[ChunkKey], loaded: list[LoadedChunk]) -> None:
-        """The waterfall as reads: each tier serves what it can of the keys the tiers
-        above did not, from the first on; the next tier gets the rest.
-
-        A tier with an in-memory index (``contains_now``) is read only for the keys it
-        says it holds, and skipped without I/O when it holds none. Any other tier is
-        read directly, a miss answering as a lookup would (a GET costs what a HEAD or
-        EXISTS does, and a hit needs the GET anyway): one round trip per batch instead
-        of a lookup's plus the read's. Its first batch is small
-        (``SPECULATIVE_FIRST``), so a tier that holds none of the keys costs one
-        request and one slab, not a batch of them.
-        """
-        loaded.extend(await self._get_from_memory(keys))
-        for tier in self.tiers:
-            rest = keys[len(loaded) :]
-            if not rest:
-                return
-            known = tier.contains_now(rest)
-            if known == 0:
-                continue
-            if known is not None:
-                chunks = await self._get_from_tier(tier, rest[:known])
-            else:
-                chunks = await self._get_from_tier(tier, rest, first=SPECULATIVE_FIRST)
-            loaded.extend(chunks)
-
-    async def _get_from_memory(self, keys: Sequence[ChunkKey]) -> list[LoadedChunk]:
-        chunks: list[LoadedChunk] = []
-        with self.lock:
-            for key in keys:
-                shared = self.memory.share(key)
-                if shared is None:
-                    break
-                handle, size = shared
-                chunk = self.check.header(key, handle.view[:size])
-                if chunk is None:  # never expected: a bug elsewhere, caught before it is served
-                    handle.release()
-                    self.memory.stats.corrupt += 1
-                    logger.error(
-                        "%s: cached chunk %s failed its check", self.memory.name, key.hex()
-                    )
-                    self._forget([key])
-                    break
-                chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
-        return chunks
-
-    def _forget(self, keys: Sequence[ChunkKey]) -> None:
-        """Drop chunks from the CPU tier."""
-        with self.lock:
-            self.memory.discard(keys)
-
-    async def _get_from_tier(
-        self, tier: Tier, keys: Sequence[ChunkKey], *, first: int | None = None
-    ) -> list[LoadedChunk]:
-        """The leading chunks of ``keys`` that ``tier`` serves, read in paced batches
-        (the first of at most ``first`` chunks when given)."""
-        pacer = self._read_pacers[tier.name]
-        chunks: list[LoadedChunk] = []
-        while len(chunks) < len(keys):
-            count = pacer.size(self._chunk_bytes, len(keys) - len(chunks))
-            if first is not None and not chunks:
-                count = min(count, first)
-            handles = self.acquire_slabs(count)
-            if not handles:
-                break  # every slab is in use by readers: serve what fits
-            batch = keys[len(chunks) : len(chunks) + len(handles)]
-            served = await self._read_batch(tier, pacer, batch, handles)
-            chunks.extend(served)
-            if len(served) < len(batch):
-                break
-        return chunks
-
-    async def _read_batch(
-        self, tier: Tier, pacer: BatchPacer, keys: Sequence[ChunkKey], handles: list[SlabHandle]
-    ) -> list[LoadedChunk]:
-        """Read one batch into ``handles`` (taking ownership of them); the leading chunks
-        that arrived and passed every check, promoted."""
-        chunks: list[LoadedChunk] = []
-        try:
-            io_leases = [handle.share() for handle in handles]  # the call's own (docstring)
-            views = [handle.view for handle in handles]
-            started = time.perf_counter()
-            read, timed_out = await self.guards[tier.name].call(
-                "get",
-                lambda: tier.read_chunks(keys, views),
-                lambda: _release_all(io_leases),
-                num_bytes=len(keys) * self._chunk_bytes,
-            )
-            elapsed = time.perf_counter() - started
-            tier.stats.read_latency.record(elapsed)
-            if read is None:
-                if timed_out:
-                    pacer.timed_out(len(keys) * self._chunk_bytes, len(keys))
-                return chunks
-            sizes = [c.payload_offset + c.meta.nbytes for c in read if c is not None]
-            pacer.succeeded(sum(sizes), elapsed, len(keys))
-            decoded: list[DecodedChunk] = []
-            for key, chunk in zip(keys, read, strict=True):
-                if chunk is None or not self.check.fits(chunk):
-                    if chunk is not None:
-                        await self._reject(tier, [key])
-                    break
-                decoded.append(chunk)
-            decoded = await self._authentic(tier, keys, decoded)
-            for key, handle, chunk in zip(keys, handles, decoded, strict=False):
-                chunks.append(LoadedChunk(key, tier.name, chunk, handle))
-                self._promote(tier, key, handle, chunk.payload_offset + chunk.meta.nbytes)
-            return chunks
-        finally:
-            _release_all(handles[len(chunks) :])
-
-    async def _authentic(
-        self, tier: Tier, keys: Sequence[ChunkKey], decoded: list[DecodedChunk]
-    ) -> list[DecodedChunk]:
-        """The leading chunks of ``decoded`` with a valid MAC, where ``tier`` needs one."""
-        if not decoded or not self.check.needs_mac(tier) or self._verifier is None:
-            return decoded
-        verdicts = await run_blocking(
-            self._verifier, [(self.check.authentic, (chunk,)) for chunk in decoded]
-        )
-        for index, verdict in enumerate(verdicts):
-            if verdict is not True:
-                logger.warning("%s: chunk %s has no valid MAC", tier.name, keys[index].hex())
-                await self._reject(tier, [keys[index]])
-                return decoded[:index]
-        return decoded
-
-    async def _reject(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
-        """Chunks that passed the tier's checks but not ours: delete and count them."""
-        tier.stats.corrupt += len(keys)
-        await self.guards[tier.name].call("delete", lambda: tier.delete(keys), num_keys=len(keys))
+        """Load the leading chunks of ``keys`` that can be served, in order
+        (:meth:`lmtier.storage.reads.Reads.get`)."""
+        return await self.reads.get(keys, lookup)
 
     def acquire_slabs(self, count: int, count_drops: bool = False) -> list[SlabHandle]:
         """Up to ``count`` free slabs, evicting idle cached chunks; fewer when readers
@@ -377,14 +202,6 @@ class StorageManager:
                     break
                 handles.append(handle)
         return handles
-
-    def _promote(self, source: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
-        with self.lock:
-            self.memory.adopt(key, handle.share(), size)
-            for tier in self.tiers:
-                if tier is source:
-                    break
-                self.writes.enqueue(tier, key, handle, size)
 
     # ---- put --------------------------------------------------------------------
 
@@ -471,14 +288,7 @@ class StorageManager:
                 await tier.close()
             except Exception:
                 logger.exception("%s: close failed", tier.name)
-        if self._verifier is not None:
-            self._verifier.shutdown(wait=False, cancel_futures=True)
-
-    def _tier(self, name: str) -> Tier:
-        for tier in self.tiers:
-            if tier.name == name:
-                return tier
-        raise KeyError(name)
+        self.reads.close()
 
     def stats(self) -> dict[str, dict[str, object]]:
         """Per-tier counters, fastest tier first, plus queue depths and batch sizes."""
@@ -492,7 +302,7 @@ class StorageManager:
             if breaker is not None:
                 entry["breaker"] = breaker.state.value
                 entry["breaker_opens"] = breaker.opens
-            pacer = self._read_pacers.get(tier.name)
+            pacer = self.reads.pacers.get(tier.name)
             if pacer is not None:
                 entry["read_batch"] = pacer.size(self._chunk_bytes, MAX_CHUNKS)
                 entry["abandoned_in_flight"] = len(self.guards[tier.name].abandoned)
