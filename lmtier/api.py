@@ -37,13 +37,12 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from lmtier.chunks.format import PAYLOAD_ALIGN, ChunkMeta, align_up
+from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.integrity import load_key
 from lmtier.chunks.keys import KEY_BYTES, ChunkHasher, ChunkKey, ExtraKeys, Namespace
 from lmtier.chunks.tokens import TokenInput
 from lmtier.config import LMTierConfig, load_config
-from lmtier.config.sizes import format_size
 from lmtier.errors import (
     CacheClosedError,
     ConfigError,
@@ -58,15 +57,13 @@ from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.lookup import Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.memory import HostPool, SlabHandle, open_host_pool
 from lmtier.storage.plugins import open_tiers
 
 __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
 logger = logging.getLogger(__name__)
 
-DIRECT_IO_ALIGN = 4096
-"""Alignment of memory that O_DIRECT reads land in (a page)."""
 STORE_BATCH = 64
 """Chunks :meth:`LMTier.store` frames per pair of trips to the event loop (one to take
 slabs, one to hand them over: ~60 us each here, so ~2 us a chunk)."""
@@ -158,7 +155,8 @@ class LMTier:
             if self._manager is not None:
                 return self
             mac = load_key(self.config.integrity.key, self.config.integrity.key_file)
-            pool, cache_slabs = self._host_pool()
+            slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
+            pool, cache_slabs = open_host_pool(self.config, slab_bytes)
             memory = CPUTier(pool, cache_slabs * pool.slab_bytes)
             check = ChunkCheck(self.kv_spec.geometry(self.chunk_size), mac)
             self._runtime.start()
@@ -172,41 +170,6 @@ class LMTier:
                 raise
             self._pool, self._manager = pool, manager
         return self
-
-    def _host_pool(self) -> tuple[HostPool, int]:
-        """The host pool (cache slabs, then staging) and how many slabs the cache gets.
-
-        Slabs are aligned to the chunk format's payload alignment (64 bytes), or to a
-        page where a tier reads with O_DIRECT into them (the disk's ``o_direct``): a
-        32 KiB chunk then takes 32.25 KiB of host memory, not 36.
-        """
-        slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
-        disk = self.config.disk
-        align = DIRECT_IO_ALIGN if disk.enabled and disk.o_direct else PAYLOAD_ALIGN
-        stride = align_up(slab_bytes, align)
-        cpu = self.config.cpu
-        cache_slabs = cpu.capacity_bytes // stride if cpu.enabled else 0
-        staging_slabs = cpu.staging_bytes // stride
-        if cpu.enabled and cpu.capacity_bytes and not cache_slabs:
-            raise ConfigError(
-                f"cpu.capacity_bytes of {format_size(cpu.capacity_bytes)} holds no chunk of "
-                f"{format_size(stride)}; raise it, or set cpu.enabled: false"
-            )
-        if not cache_slabs + staging_slabs:
-            raise ConfigError(
-                f"cpu.staging_bytes of {format_size(cpu.staging_bytes)} holds no chunk of "
-                f"{format_size(stride)} and the CPU tier holds none: raise cpu.staging_bytes"
-            )
-        pool = HostPool(slab_bytes, cache_slabs + staging_slabs, align=align)
-        logger.info(
-            "host memory: %s = %d cached + %d staging chunks of %s%s",
-            format_size(pool.nbytes),
-            cache_slabs,
-            staging_slabs,
-            format_size(pool.slab_bytes),
-            " (pinned)" if pool.pinned else "",
-        )
-        return pool, cache_slabs
 
     def host_memory(self) -> HostMemory:
         """What this cache holds in host memory now (a snapshot; any thread)."""

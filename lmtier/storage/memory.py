@@ -41,11 +41,12 @@ import threading
 
 import torch
 
-from lmtier.chunks.format import align_up
+from lmtier.chunks.format import PAYLOAD_ALIGN, align_up
+from lmtier.config import LMTierConfig
 from lmtier.config.sizes import format_size
-from lmtier.errors import CapacityError, HandleError
+from lmtier.errors import CapacityError, ConfigError, HandleError
 
-__all__ = ["HostPool", "SlabHandle", "physical_memory_bytes"]
+__all__ = ["DIRECT_IO_ALIGN", "HostPool", "SlabHandle", "open_host_pool", "physical_memory_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -334,3 +335,44 @@ class HostPool:
             f"HostPool(slab_bytes={self._slab_bytes}, num_slabs={self._num_slabs}, "
             f"num_free={self.num_free}, pinned={self._pinned})"
         )
+
+
+DIRECT_IO_ALIGN = 4096
+"""Alignment of memory that O_DIRECT reads land in (a page)."""
+
+
+def open_host_pool(config: LMTierConfig, slab_bytes: int) -> tuple[HostPool, int]:
+    """The host pool of a cache (its cached slabs, then staging) and how many slabs
+    the CPU tier gets: ``cpu.capacity_bytes`` (when the CPU tier is on) plus
+    ``cpu.staging_bytes``, in whole slabs of ``slab_bytes``, allocated now.
+
+    Slabs are aligned to the chunk format's payload alignment (64 bytes), or to a page
+    where a tier reads with O_DIRECT into them (the disk's ``o_direct``): a 32 KiB
+    chunk then takes 32.25 KiB of host memory, not 36. ConfigError when the settings
+    leave no slab at all.
+    """
+    disk, cpu = config.disk, config.cpu
+    align = DIRECT_IO_ALIGN if disk.enabled and disk.o_direct else PAYLOAD_ALIGN
+    stride = align_up(slab_bytes, align)
+    cache_slabs = cpu.capacity_bytes // stride if cpu.enabled else 0
+    staging_slabs = cpu.staging_bytes // stride
+    if cpu.enabled and cpu.capacity_bytes and not cache_slabs:
+        raise ConfigError(
+            f"cpu.capacity_bytes of {format_size(cpu.capacity_bytes)} holds no chunk of "
+            f"{format_size(stride)}; raise it, or set cpu.enabled: false"
+        )
+    if not cache_slabs + staging_slabs:
+        raise ConfigError(
+            f"cpu.staging_bytes of {format_size(cpu.staging_bytes)} holds no chunk of "
+            f"{format_size(stride)} and the CPU tier holds none: raise cpu.staging_bytes"
+        )
+    pool = HostPool(slab_bytes, cache_slabs + staging_slabs, align=align)
+    logger.info(
+        "host memory: %s = %d cached + %d staging chunks of %s%s",
+        format_size(pool.nbytes),
+        cache_slabs,
+        staging_slabs,
+        format_size(pool.slab_bytes),
+        " (pinned)" if pool.pinned else "",
+    )
+    return pool, cache_slabs
