@@ -3,13 +3,10 @@ be killed, stopped (SIGSTOP, a hang) and restarted on its port, and a 3-master R
 Cluster. No fakes: these run the Redis that CI installs.
 
 A missing ``redis-server`` FAILS the test that needs it, with a message: a silent skip
-would hide that CI lost its Redis. The classes are context managers; a test module
-makes its (module-scoped) fixtures from them::
-
-    @pytest.fixture(scope="module")
-    def redis_server(tmp_path_factory):
-        with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-            yield server
+would hide that CI lost its Redis. The classes are context managers; the
+module-scoped :func:`redis_server` fixture is one standalone server per test module
+(import it: ``from redis_servers import redis_server``), and a module that needs
+another kind (a unix socket, TLS, a fresh server per test) makes its own from them.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import socket
 import ssl
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ __all__ = [
     "RedisServer",
     "free_port",
     "make_certificate",
+    "redis_server",
     "require_redis",
 ]
 
@@ -307,3 +306,10 @@ class RedisClusterProcesses:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One standalone server shared by a test module's tests."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server

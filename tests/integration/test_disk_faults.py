@@ -13,28 +13,16 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
+from disk_files import CHUNK_LEN, GIB, run
 
 from lmtier.errors import ConfigError
 from lmtier.testing import make_chunk
 from lmtier_backends.disk.tier import DiskTier
 
 pytestmark = pytest.mark.integration
-
-T = TypeVar("T")
-GIB = 1 << 30
-CHUNK_LEN = len(make_chunk()[1])
-
-
-def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    async def main() -> T:
-        return await fn(*args)
-
-    return asyncio.run(main())
 
 
 def buffers(count: int) -> list[memoryview]:

@@ -18,12 +18,13 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from unittest import mock
 
 import pytest
+from disk_files import CHUNK_LEN, GIB, chunk_files, run, temp_files
 
 from lmtier.chunks.format import PREFIX_LEN
 from lmtier.chunks.keys import ChunkKey
@@ -34,26 +35,6 @@ from lmtier_backends.disk.io import DIRECT_ALIGN
 from lmtier_backends.disk.tier import DiskTier, open_tier
 
 pytestmark = pytest.mark.integration
-
-T = TypeVar("T")
-GIB = 1 << 30
-CHUNK_LEN = len(make_chunk()[1])  # 16 tokens x 64 hidden: 192-byte header + 8192 payload
-
-
-def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    async def main() -> T:
-        return await fn(*args)
-
-    return asyncio.run(main())
-
-
-def chunk_files(path: Path) -> list[Path]:
-    return sorted((path / "v1").glob("??/*.lmtc"))
-
-
-def temp_files(path: Path) -> list[Path]:
-    """Temp files of writes: beside chunk files, or in ``tmp/`` (older versions)."""
-    return sorted([*(path / "v1").glob("??/.*.tmp"), *(path / "v1" / "tmp").iterdir()])
 
 
 def bytes_on_disk(path: Path) -> int:

@@ -11,12 +11,13 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
+from disk_files import CHUNK_LEN, GIB, chunk_files, run, temp_files
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.testing import make_chunk
@@ -26,26 +27,6 @@ from lmtier_backends.disk.index import WAVE_FRACTION, wave_length
 from lmtier_backends.disk.tier import DiskTier
 
 pytestmark = pytest.mark.integration
-
-T = TypeVar("T")
-GIB = 1 << 30
-CHUNK_LEN = len(make_chunk()[1])
-
-
-def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    async def main() -> T:
-        return await fn(*args)
-
-    return asyncio.run(main())
-
-
-def chunk_files(path: Path) -> list[Path]:
-    return sorted((path / "v1").glob("??/*.lmtc"))
-
-
-def temp_files(path: Path) -> list[Path]:
-    """Temp files of writes: beside chunk files, or in ``tmp/`` (older versions)."""
-    return sorted([*(path / "v1").glob("??/.*.tmp"), *(path / "v1" / "tmp").iterdir()])
 
 
 async def read_back(tier: DiskTier, keys: list[ChunkKey]) -> list[bytes | None]:

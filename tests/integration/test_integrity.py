@@ -5,7 +5,6 @@ checked."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.integration
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 CHUNK = 32
 KEY = "a-deployment-secret-of-32-bytes!"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 def config(url: str, node: Path, key: str | None = KEY) -> LMTierConfig:

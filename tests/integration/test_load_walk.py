@@ -8,7 +8,6 @@ one request, and a load given the lookup just made reads exactly the spans it na
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -32,12 +31,6 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 CHUNK = 16
 CHUNKS = 8
 BUCKET = "lmtier-walk"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ prompt must be served at the link's speed, not time out whole."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -20,12 +19,6 @@ from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig, RedisTierConfig, S3TierConfig
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 def kv_for(spec: KVSpec, num_tokens: int, seed: int) -> torch.Tensor:
