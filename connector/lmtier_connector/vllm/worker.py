@@ -10,9 +10,10 @@
 * **Saves** gather each planned chunk straight into the payload region of a pool slab,
   layer by layer as ``save_kv_layer`` is called (on CUDA, on the save stream: compute
   never waits). ``wait_for_save`` hands the step's saves to one background thread that
-  waits for the copies, seals the slabs (header and checksum) and gives them to the
-  storage manager; ``get_finished`` reports a finished request once all of its saves
-  are through. Chunks some tier already holds are not saved again.
+  waits for the copies, frames the slabs (a header; the checksum is computed when a
+  chunk is written below host memory) and gives them to the storage manager;
+  ``get_finished`` reports a finished request once all of its saves are through.
+  Chunks some tier already holds are not saved again.
 * **KV events**: once a step's chunks are stored, that thread queues a ``BlockStored``
   per chunk (sliced from its :class:`SaveSpec`'s event) for
   ``get_kv_connector_kv_cache_events``; chunks dropped (no free slab) or failed are
@@ -24,8 +25,8 @@
   announced for those. The hashes are kept per announced chunk, at most as many as
   the CPU tier holds.
 
-The rejected alternative, sealing and storing inside ``wait_for_save``, would put a
-checksum pass over every saved byte on the forward path.
+The rejected alternative, framing and storing inside ``wait_for_save``, would put the
+wait for the copies on the forward path.
 """
 
 from __future__ import annotations
