@@ -56,13 +56,21 @@ def as_token_array(tokens: TokenInput, *, vocab_size: int | None = None) -> Toke
             f"token ids must be integers, got dtype {array.dtype} "
             "(floats and bools are rejected rather than truncated)"
         )
-    if kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > MAX_TOKEN_ID:
-        raise InvalidTokensError(f"token id {int(array.max())} does not fit in int64")
-    result = np.ascontiguousarray(array, dtype=np.int64)
-    low = int(result.min())
-    if low < 0:
-        position = int(np.argmin(result))
-        raise InvalidTokensError(f"token ids must be >= 0, got {low} at position {position}")
+    if kind == "u" and array.dtype.itemsize == 8:
+        high = int(array.max())
+        if high > MAX_TOKEN_ID:
+            position = int(np.argmax(array))
+            raise InvalidTokensError(
+                f"token id {high} at position {position} does not fit in int64"
+            )
+        result = np.ascontiguousarray(array).view(np.int64)  # the same bits: no copy
+    else:
+        result = np.ascontiguousarray(array, dtype=np.int64)
+    if kind == "i":  # unsigned ids cannot be negative
+        low = int(result.min())
+        if low < 0:
+            position = int(np.argmin(result))
+            raise InvalidTokensError(f"token ids must be >= 0, got {low} at position {position}")
     if vocab_size is not None:
         high = int(result.max())
         if high >= vocab_size:
@@ -107,29 +115,35 @@ def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
             f"token ids are not all integers that fit in int64 (first element: {brief(tokens[0])})"
         )
     if array.dtype.kind in "iu":
-        # numpy turns True among ints into 1 silently. Only the 0s and 1s can have been
-        # bools, and prompts hold few of them: a vectorised pass finds them (~0.2 ns a
-        # token), and only those elements are looked at (a type check of every element
-        # would cost ~13 ns a token, as much as hashing it).
-        for index in np.flatnonzero((array == 0) | (array == 1)).tolist():
-            if isinstance(tokens[index], (bool, np.bool_)):
-                raise InvalidTokensError(
-                    f"token ids must be integers, got the bool {tokens[index]!r} at "
-                    f"position {index}"
-                )
+        _refuse_bools(tokens, array)
     return array
 
 
-def _from_ints(tokens: Sequence[Any]) -> npt.NDArray[np.int64] | None:
-    """``tokens`` as int64 through ``array('Q')``, or None to take the general path.
+def _refuse_bools(tokens: Sequence[Any], ids: npt.NDArray[Any]) -> None:
+    """InvalidTokensError if a bool of ``tokens`` became an id in ``ids``.
+
+    numpy and ``array`` turn True among ints into 1 silently. Only the 0s and 1s can
+    have been bools, and prompts hold few of them: a vectorised pass finds them (~0.2 ns
+    a token), and only those elements are looked at (a type check of every element
+    would cost ~13 ns a token, as much as hashing it).
+    """
+    for index in np.flatnonzero((ids == 0) | (ids == 1)).tolist():
+        if isinstance(tokens[index], (bool, np.bool_)):
+            raise InvalidTokensError(
+                f"token ids must be integers, got the bool {tokens[index]!r} at position {index}"
+            )
+
+
+def _from_ints(tokens: Sequence[Any]) -> npt.NDArray[np.uint64] | None:
+    """``tokens`` as uint64 through ``array('Q')``, or None to take the general path.
 
     Building an unsigned 64-bit ``array`` is the fastest conversion of Python ints
     measured here (~4.5 ns a token for 32k, vs ~11 for ``array('q')`` or
     ``np.fromiter`` and ~17 for ``np.array``: benchmarks/bench_storage.py), and it
     refuses what must be refused on the way: floats (TypeError), negative ids
-    (OverflowError). Ids above int64 and bools (which it takes as 0 and 1) are
-    checked after it; its other refusals fall back to the general path, which names
-    the offending element.
+    (OverflowError). Bools (which it takes as 0 and 1) are refused here, ids above
+    int64 by :func:`as_token_array`; its other refusals fall back to the general path,
+    which names the offending element.
     """
     try:
         raw = array.array("Q", tokens)
@@ -137,14 +151,8 @@ def _from_ints(tokens: Sequence[Any]) -> npt.NDArray[np.int64] | None:
         # DeprecationWarning: numpy's bools as indexes, raised where warnings are errors
         return None
     unsigned = np.frombuffer(raw, dtype=np.uint64)
-    high = int(unsigned.max())
-    if high > MAX_TOKEN_ID:
-        position = int(np.argmax(unsigned))
-        raise InvalidTokensError(f"token id {high} at position {position} does not fit in int64")
-    for index in np.flatnonzero(unsigned <= 1).tolist():
-        if isinstance(tokens[index], (bool, np.bool_)):
-            return None
-    return unsigned.view(np.int64)
+    _refuse_bools(tokens, unsigned)
+    return unsigned
 
 
 def _is_torch_tensor(value: object) -> bool:
