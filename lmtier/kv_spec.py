@@ -235,6 +235,13 @@ def payload_tensor(handle: SlabHandle, meta: ChunkMeta) -> torch.Tensor:
     return handle.tensor[offset:end].view(torch_dtype(meta.dtype)).view(meta.shape)
 
 
+@functools.lru_cache(maxsize=64)
+def _template(dtype: str, shape: tuple[int, ...], layout: str, num_tokens: int) -> HeaderTemplate:
+    """The header template of chunks of this geometry (one per geometry, shared)."""
+    blank = bytes(KEY_BYTES // 2)
+    return HeaderTemplate(ChunkMeta(blank, blank, dtype, shape, layout, num_tokens))
+
+
 class ChunkFramer:
     """Writes the full chunks of one cache (``spec``, ``chunk_size``) into slabs: the KV
     copied to its place, then an ``UNSEALED`` header from a template (~2 us; the
@@ -245,8 +252,8 @@ class ChunkFramer:
     __slots__ = ("_dtype", "_end", "_meta", "_start", "template")
 
     def __init__(self, spec: KVSpec, chunk_size: int) -> None:
-        self._meta = spec.meta(ChunkKey(bytes(KEY_BYTES)), chunk_size)
-        self.template = HeaderTemplate(self._meta)
+        self._meta = meta = spec.meta(ChunkKey(bytes(KEY_BYTES)), chunk_size)
+        self.template = _template(meta.dtype, meta.shape, meta.layout, meta.num_tokens)
         self._dtype = torch_dtype(spec.dtype)
         self._start, self._end = self.template.payload_offset, self.template.encoded_size
 
@@ -257,17 +264,8 @@ class ChunkFramer:
     def write(self, handle: SlabHandle, key: ChunkKey, kv: KVSource, ctime: float) -> int:
         """Copy one chunk's ``kv`` (checked by :func:`check_kv`, narrowed to one chunk)
         into ``handle``'s slab and frame it unsealed as chunk ``key``; the encoded length."""
-        target = self.payload(handle)
-        if isinstance(kv, torch.Tensor):
-            target.copy_(kv)
-        else:
-            _copy_layers(target, self._meta, kv)
+        _copy_kv(self.payload(handle), self._meta, kv)
         return self.template.frame_into(handle.view, key, ctime=ctime, sealed=False)
-
-
-@functools.lru_cache(maxsize=64)
-def _template(dtype: str, shape: tuple[int, ...], layout: str, num_tokens: int) -> HeaderTemplate:
-    return HeaderTemplate(ChunkMeta(bytes(16), bytes(16), dtype, shape, layout, num_tokens))
 
 
 def frame_slab(handle: SlabHandle, meta: ChunkMeta) -> int:
@@ -300,17 +298,17 @@ def encode_kv_into(
     or a device-to-host copy, done by torch), then hashed once for the header (and
     MACed with ``sign``). Returns the encoded length.
     """
-    target = payload_tensor(handle, meta)
-    if isinstance(kv, torch.Tensor):
-        if tuple(kv.shape) != meta.shape:
-            raise ValueError(f"KV tensor has shape {tuple(kv.shape)}, the chunk needs {meta.shape}")
-        target.copy_(kv)
-    else:
-        _copy_layers(target, meta, kv)
+    if isinstance(kv, torch.Tensor) and tuple(kv.shape) != meta.shape:
+        raise ValueError(f"KV tensor has shape {tuple(kv.shape)}, the chunk needs {meta.shape}")
+    _copy_kv(payload_tensor(handle, meta), meta, kv)
     return seal_slab(handle, meta, sign)
 
 
-def _copy_layers(target: torch.Tensor, meta: ChunkMeta, kv: Sequence[LayerKV]) -> None:
+def _copy_kv(target: torch.Tensor, meta: ChunkMeta, kv: KVSource) -> None:
+    """Copy one chunk's KV, a tensor or per-layer (K, V) pairs, into its payload view."""
+    if isinstance(kv, torch.Tensor):
+        target.copy_(kv)
+        return
     if meta.layout not in ("LKTHD", "KLTHD"):
         raise ValueError(f"per-layer (K, V) input needs a K/V layout, not {meta.layout}")
     layers = meta.shape[0] if meta.layout == "LKTHD" else meta.shape[1]
