@@ -214,17 +214,22 @@ class S3Tier(Tier):
 
     # ---- requests (run in the pool's threads) ----------------------------------------
 
+    def _ask(self, request: Callable[..., Any], key: ChunkKey) -> Any:
+        """``request`` (HEAD or GET) for ``key``'s object: its response, or None for a 404.
+        Either answer ticks the progress meter; other errors raise."""
+        try:
+            response = request(Bucket=self.bucket, Key=self.object_key(key))
+        except ClientError as exc:
+            if not not_found(exc):
+                raise
+            response = None
+        self.io_progress.tick()
+        return response
+
     def _head(self, key: ChunkKey) -> bool | None:
         """True: present; False: present but expired; None: absent."""
-        try:
-            response = self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
-        except ClientError as exc:
-            if not_found(exc):
-                self.io_progress.tick()
-                return None
-            raise
-        self.io_progress.tick()
-        return not self._expired(response["LastModified"])
+        response = self._ask(self._client.head_object, key)
+        return None if response is None else not self._expired(response["LastModified"])
 
     def _scan(self, scan: Scan) -> None:
         """HEAD keys from the shared cursor until it has none left."""
@@ -237,14 +242,9 @@ class S3Tier(Tier):
             scan.finish(index, outcome is True)
 
     def _get_into(self, key: ChunkKey, view: memoryview) -> int | None:
-        try:
-            response = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
-        except ClientError as exc:
-            if not_found(exc):
-                self.io_progress.tick()
-                return None
-            raise
-        self.io_progress.tick()
+        response = self._ask(self._client.get_object, key)
+        if response is None:
+            return None
         body = response["Body"]
         size = int(response["ContentLength"])
         if size > len(view) or self._expired(response["LastModified"]):
