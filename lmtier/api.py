@@ -337,7 +337,7 @@ class LMTier:
         writes, the remaining chunks are dropped and counted (``cpu.queue_drops``).
         """
         self._require()  # fail fast when closed, before any work
-        return self.store_keys(self.keys(tokens, cache_salt=cache_salt, extras=extras), kv)
+        return self._store(self.keys(tokens, cache_salt=cache_salt, extras=extras), kv, None)
 
     def store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, *, skip: int | None = None) -> int:
         """:meth:`store` for the keys of a sequence already hashed (chunk ``i`` is
@@ -346,7 +346,10 @@ class LMTier:
         ``skip``: how many leading chunks the caller knows are cached (the lookup it has
         just made); None asks the local tiers.
         """
-        keys = _checked_keys(keys)
+        return self._store(_checked_keys(keys), kv, skip)
+
+    def _store(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
+        """:meth:`store_keys` for keys this cache made (not checked again)."""
         self._require()
         covered = check_kv(kv, self.kv_spec)
         if covered < len(keys) * self.chunk_size:
