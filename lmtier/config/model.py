@@ -18,14 +18,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import SplitResult, urlsplit
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
-from pydantic import ValidationError as PydanticValidationError
+from pydantic import AfterValidator, Field, field_validator
 
 from lmtier.chunks.keys import BLOCK_SIZE, HASH_ALGORITHMS, HashAlgorithm
 from lmtier.config.secrets import MASK, Secret, SecretURL, redact_url
+from lmtier.config.section import Section as _Section
+from lmtier.config.sidecar import SidecarConfig
 from lmtier.config.types import (
     Bool,
     Count,
@@ -37,7 +38,6 @@ from lmtier.config.types import (
     SecretUrl,
     Size,
     Text,
-    config_error,
 )
 from lmtier.errors import ConfigError, brief
 from lmtier.storage.tier import DEFAULT_QUEUE_DEPTH
@@ -63,7 +63,6 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 _GIB = 1024**3
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WritePolicy = Literal["write_through", "write_back"]
-_S = TypeVar("_S", bound="_Section")
 
 
 # --- rules of single fields ----------------------------------------------------------
@@ -176,33 +175,6 @@ def default_disk_path(env: Mapping[str, str]) -> Path:
 
 
 # --- the sections -------------------------------------------------------------------
-
-
-class _Section(BaseModel):
-    """What every section (and the whole config) shares: frozen, unknown keys refused,
-    ConfigErrors, and :meth:`replace`."""
-
-    model_config = ConfigDict(
-        frozen=True,
-        extra="forbid",
-        arbitrary_types_allowed=True,
-        validate_default=True,
-        use_attribute_docstrings=True,
-    )
-    SECTION: ClassVar[str] = ""
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except PydanticValidationError as exc:
-            prefix = (self.SECTION,) if self.SECTION else ()
-            raise config_error(exc, model=type(self), prefix=prefix) from None
-
-    def replace(self: _S, **changes: Any) -> _S:
-        """A copy with ``changes``, checked like any construction (``model_copy`` is not)."""
-        return type(self)(
-            **{**{name: getattr(self, name) for name in type(self).model_fields}, **changes}
-        )
 
 
 class _ByteTierSection(_Section):
@@ -395,6 +367,8 @@ class LMTierConfig(_Section):
     """Tiers of third-party backends, after the others, in order."""
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
     """Keyed integrity of chunks on shared tiers."""
+    sidecar: SidecarConfig = Field(default_factory=SidecarConfig)
+    """``lmtier serve``: listener, security, shared host pool."""
     log_level: Annotated[str, _rule(_one_of(_LOG_LEVELS, ", ".join(_LOG_LEVELS)))] = "WARNING"
     """Level of lmtier's loggers: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)."""
 
@@ -421,7 +395,7 @@ class LMTierConfig(_Section):
         """
         data: dict[str, Any] = self.model_dump(mode="json")
         if redact:
-            for name in ("redis", "s3", "integrity"):
+            for name in ("redis", "s3", "integrity", "sidecar"):
                 section = getattr(self, name)
                 for field_name in type(section).model_fields:
                     value = getattr(section, field_name)

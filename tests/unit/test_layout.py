@@ -91,4 +91,6 @@ def test_no_import_cycles() -> None:
 
 def test_modules_stay_small() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in modules()}
-    assert {name: n for name, n in sizes.items() if n > 500} == {}
+    # lmtier.v1 is generated from proto/ (proto/generate.py), not written by hand.
+    written = {n: lines for n, lines in sizes.items() if not n.startswith("lmtier.v1.")}
+    assert {name: n for name, n in written.items() if n > 500} == {}
