@@ -143,6 +143,21 @@ class LMTier:
         cache.start()
         return cache
 
+    @classmethod
+    def connect(
+        cls, target: str, config: LMTierConfig | None = None, *, kv: KVSpec, **kwargs: Any
+    ) -> LMTier:
+        """A started client of the sidecar at ``target`` (``unix:///path.sock`` or
+        ``host:port``) with this interface: :class:`lmtier.sidecar.client.SidecarClient`
+        (the ``grpc`` extra). Keyword arguments: the model's (as :meth:`open`), and
+        ``token``, ``credentials``, ``shared_memory``, ``timeout_s``, ``client_name``."""
+        from lmtier.sidecar.client import SidecarClient  # noqa: PLC0415 - the grpc extra
+
+        client = SidecarClient(
+            target, config if config is not None else load_config(), kv, **kwargs
+        )
+        return client.start()
+
     def start(self) -> LMTier:
         """Allocate the host pool, open the tiers and start background writers.
 
@@ -195,6 +210,11 @@ class LMTier:
             state = "closed" if self._closed else "not started; use LMTier.open(...) or .start()"
             raise CacheClosedError(f"this LMTier is {state}")
         return manager
+
+    def _check_open(self) -> None:
+        """CacheClosedError unless the cache is open (a hook: a sidecar client has no
+        StorageManager of its own)."""
+        self._require()
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         """The namespace of this model for one tenant's ``cache_salt``."""
@@ -336,7 +356,7 @@ class LMTier:
         tiers are not asked), and if every host slab is held by readers and pending
         writes, the remaining chunks are dropped and counted (``cpu.queue_drops``).
         """
-        self._require()  # fail fast when closed, before any work
+        self._check_open()  # fail fast when closed, before any work
         return self._store(self.keys(tokens, cache_salt=cache_salt, extras=extras), kv, None)
 
     def store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, *, skip: int | None = None) -> int:
@@ -350,7 +370,7 @@ class LMTier:
 
     def _store(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
         """:meth:`store_keys` for keys this cache made (not checked again)."""
-        self._require()
+        self._check_open()
         covered = check_kv(kv, self.kv_spec)
         if covered < len(keys) * self.chunk_size:
             raise InvalidKVError(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -174,18 +175,49 @@ class HostPool:
     """
 
     def __init__(
-        self, slab_bytes: int, num_slabs: int, *, pin: bool | None = None, align: int = 4096
+        self,
+        slab_bytes: int,
+        num_slabs: int,
+        *,
+        pin: bool | None = None,
+        align: int = 4096,
+        region: torch.Tensor | None = None,
     ) -> None:
         _check_sizes(slab_bytes, align)
         if num_slabs < 0:
             raise ValueError(f"num_slabs must be >= 0, got {num_slabs}")
+        self._slab_bytes = align_up(slab_bytes, align)
+        self._num_slabs = num_slabs
+        if region is None:
+            region = self._allocate(num_slabs * self._slab_bytes + align, pin)
+        else:
+            # Memory someone else owns and touched (a shared-memory mapping): cut, not
+            # allocated; pinning it is its owner's business.
+            self._pinned = False
+            if region.dtype != torch.uint8 or region.device.type != "cpu" or region.dim() != 1:
+                raise ValueError("region must be a 1-D uint8 CPU tensor")
+            if -region.data_ptr() % align + num_slabs * self._slab_bytes > region.numel():
+                raise ValueError(f"a region of {region.numel()} bytes cannot hold the slabs")
+        start = -region.data_ptr() % align
+        whole = region.numpy().data  # a memoryview that keeps the tensor alive
+        bounds = [start + i * self._slab_bytes for i in range(num_slabs)]
+        self._first_offset = start
+        self._region: torch.Tensor | None = region
+        self._views = [whole[b : b + self._slab_bytes] for b in bounds]
+        self._tensors = [region[b : b + self._slab_bytes] for b in bounds]
+        # Invariant (under _lock): an index is on _free exactly when its count is 0.
+        # _free is a stack: the slab released last is reused first, while still in cache.
+        self._refcounts = [0] * num_slabs
+        self._free = list(reversed(range(num_slabs)))
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _allocate(self, size: int, pin: bool | None) -> torch.Tensor:
+        """A new region of ``size`` bytes, every page touched (and pinned, per ``pin``)."""
         cuda = torch.cuda.is_available()
         if pin and not cuda:
             raise ValueError("pinned memory needs CUDA (pin=True on a machine without it)")
         self._pinned = cuda if pin is None else pin
-        self._slab_bytes = align_up(slab_bytes, align)
-        self._num_slabs = num_slabs
-        size = num_slabs * self._slab_bytes + align
         physical = physical_memory_bytes()
         if physical is not None and size > physical:
             raise CapacityError(
@@ -204,18 +236,7 @@ class HostPool:
                 f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): lower "
                 "cpu.capacity_bytes or cpu.staging_bytes"
             ) from exc
-        start = -region.data_ptr() % align
-        whole = region.numpy().data  # a memoryview that keeps the tensor alive
-        bounds = [start + i * self._slab_bytes for i in range(num_slabs)]
-        self._region: torch.Tensor | None = region
-        self._views = [whole[b : b + self._slab_bytes] for b in bounds]
-        self._tensors = [region[b : b + self._slab_bytes] for b in bounds]
-        # Invariant (under _lock): an index is on _free exactly when its count is 0.
-        # _free is a stack: the slab released last is reused first, while still in cache.
-        self._refcounts = [0] * num_slabs
-        self._free = list(reversed(range(num_slabs)))
-        self._lock = threading.Lock()
-        self._closed = False
+        return region
 
     @classmethod
     def for_chunks(
@@ -238,6 +259,11 @@ class HostPool:
                 f"{chunk_bytes} bytes ({stride} bytes once aligned to {align})"
             )
         return cls(chunk_bytes, num_slabs, pin=pin, align=align)
+
+    @property
+    def first_slab_offset(self) -> int:
+        """Where slab 0 starts in the region (slab ``i`` is ``i * slab_bytes`` further)."""
+        return self._first_offset
 
     @property
     def slab_bytes(self) -> int:
@@ -341,7 +367,11 @@ DIRECT_IO_ALIGN = 4096
 """Alignment of memory that O_DIRECT reads land in (a page)."""
 
 
-def open_host_pool(config: LMTierConfig, slab_bytes: int) -> tuple[HostPool, int]:
+def open_host_pool(
+    config: LMTierConfig,
+    slab_bytes: int,
+    region: Callable[[int], torch.Tensor] | None = None,
+) -> tuple[HostPool, int]:
     """The host pool of a cache (its cached slabs, then staging) and how many slabs
     the CPU tier gets: ``cpu.capacity_bytes`` (when the CPU tier is on) plus
     ``cpu.staging_bytes``, in whole slabs of ``slab_bytes``, allocated now.
@@ -349,7 +379,8 @@ def open_host_pool(config: LMTierConfig, slab_bytes: int) -> tuple[HostPool, int
     Slabs are aligned to the chunk format's payload alignment (64 bytes), or to a page
     where a tier reads with O_DIRECT into them (the disk's ``o_direct``): a 32 KiB
     chunk then takes 32.25 KiB of host memory, not 36. ConfigError when the settings
-    leave no slab at all.
+    leave no slab at all. ``region(size)``, when given, supplies the memory (the
+    sidecar's shared mapping) instead of an allocation.
     """
     disk, cpu = config.disk, config.cpu
     align = DIRECT_IO_ALIGN if disk.enabled and disk.o_direct else PAYLOAD_ALIGN
@@ -366,7 +397,9 @@ def open_host_pool(config: LMTierConfig, slab_bytes: int) -> tuple[HostPool, int
             f"cpu.staging_bytes of {format_size(cpu.staging_bytes)} holds no chunk of "
             f"{format_size(stride)} and the CPU tier holds none: raise cpu.staging_bytes"
         )
-    pool = HostPool(slab_bytes, cache_slabs + staging_slabs, align=align)
+    num_slabs = cache_slabs + staging_slabs
+    memory = None if region is None else region(num_slabs * stride + align)
+    pool = HostPool(slab_bytes, num_slabs, align=align, region=memory)
     logger.info(
         "host memory: %s = %d cached + %d staging chunks of %s%s",
         format_size(pool.nbytes),

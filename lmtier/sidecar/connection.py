@@ -1,0 +1,339 @@
+"""A client's connection to a sidecar: the channel, one session per namespace, the
+shared pool's mapping, lease releases, and what happens when the sidecar is gone.
+
+The rule a client lives by: a sidecar that is down, killed or restarting costs
+misses, never a failed request. Every call has a deadline; a call that fails for
+want of a sidecar marks the connection down for a backoff (50 ms doubling to 5 s)
+during which calls miss at once without trying; the next call after it reconnects,
+opening fresh sessions. Errors that are the caller's (INVALID_ARGUMENT) raise.
+
+Sessions: one ``OpenSession`` stream per namespace (model, geometry, rank, salt),
+opened on first use and watched by a daemon thread; when the stream ends (the
+sidecar drained or died) the session is dropped and the next call reopens it.
+
+Releases: ending a lease is queued by the releasing thread and sent by one sender
+thread in batches, so an engine thread never waits for a round trip to give slabs
+back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from lmtier.chunks.keys import Namespace
+from lmtier.config import Secret
+from lmtier.errors import InvalidRequestError
+from lmtier.sidecar.namespaces import to_wire
+from lmtier.sidecar.shm import SharedRegion
+from lmtier.storage.memory import HostPool
+from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+
+__all__ = ["ClientSession", "Connection", "SidecarUnavailable"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BACKOFF_FIRST_S = 0.05
+BACKOFF_MAX_S = 5.0
+MAX_MESSAGE_BYTES = 64 * 1024**2
+_MISSES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+
+
+class SidecarUnavailable(Exception):
+    """The call cannot reach a working session now: answer it as a miss."""
+
+
+@dataclass(eq=False)
+class ClientSession:
+    """One open session (module docstring)."""
+
+    info: pb.SessionInfo
+    call: Any
+    pool: HostPool | None
+    """The shared pool's slabs, mapped (None: this session streams)."""
+    alive: bool = True
+    releases: list[int] = field(default_factory=list)
+
+    @property
+    def id(self) -> bytes:
+        return bytes(self.info.session_id)
+
+
+class Connection:
+    """A client's connection to one sidecar (module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: Secret | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        shared_memory: bool = True,
+        timeout_s: float = 10.0,
+        client_name: str = "",
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.shared_memory = shared_memory and target.startswith("unix:")
+        self.client_name = client_name
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=options)
+        self.stub = pb_grpc.SidecarStub(self._channel)  # type: ignore[no-untyped-call]
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token.reveal()}"),) if token is not None else ()
+        )
+        self._lock = threading.Lock()
+        self._sessions: dict[bytes, ClientSession] = {}
+        self._regions: dict[str, tuple[SharedRegion, HostPool]] = {}
+        self._down_until = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self._closed = False
+        self._wake = threading.Condition(self._lock)
+        self._pending: set[ClientSession] = set()
+        self._sender = threading.Thread(target=self._send_releases, daemon=True)
+        self._sender.name = "lmtier-sidecar-releases"
+        self._sender.start()
+
+    # ---- calls ---------------------------------------------------------------------
+
+    def call(self, method: Callable[..., T], request: Any, *, timeout_s: float | None = None) -> T:
+        """``method(request)`` with the deadline and token; SidecarUnavailable for what
+        must be a miss, InvalidRequestError for what is the caller's error."""
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise self.failed(exc) from None
+
+    def failed(self, exc: grpc.RpcError) -> Exception:
+        """What a failed call means here (see :meth:`call`); marks the connection down
+        when the sidecar is unreachable."""
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequestError(f"sidecar: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return SidecarUnavailable(details)  # busy, not down: no backoff
+        if code == grpc.StatusCode.NOT_FOUND:
+            self._drop_sessions()  # the sidecar forgot them: reopen on the next call
+            return SidecarUnavailable(details)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            logger.error("sidecar %s refused this client: %s", self.target, details)
+        elif code not in _MISSES:
+            logger.error("sidecar %s: unexpected %s: %s", self.target, code.name, details)
+        self._mark_down(f"{code.name}: {details}")
+        return SidecarUnavailable(details)
+
+    def _mark_down(self, why: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._down_until <= now:
+                logger.warning(
+                    "sidecar %s unreachable (%s): misses for %.2f s, then reconnecting",
+                    self.target,
+                    why,
+                    self._backoff,
+                )
+                self._down_until = now + self._backoff
+                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            self._end(session)
+
+    # ---- sessions ------------------------------------------------------------------
+
+    def session(self, namespace: Namespace) -> ClientSession:
+        """The live session of ``namespace``, opened now if needed; SidecarUnavailable
+        while the sidecar is down (or backing off)."""
+        with self._lock:
+            if self._closed:
+                raise SidecarUnavailable("the connection is closed")
+            found = self._sessions.get(namespace.digest)
+            if found is not None and found.alive:
+                return found
+            if time.monotonic() < self._down_until:
+                raise SidecarUnavailable("the sidecar is down; retrying after a backoff")
+        session = self._open(namespace)
+        with self._lock:
+            current = self._sessions.get(namespace.digest)
+            if current is not None and current.alive:  # another thread won the race
+                loser = session
+                session = current
+            else:
+                self._sessions[namespace.digest] = session
+                self._backoff = BACKOFF_FIRST_S
+                loser = None
+        if loser is not None:
+            self._end(loser)
+        return session
+
+    def _open(self, namespace: Namespace) -> ClientSession:
+        request = pb.OpenSessionRequest(
+            namespace=to_wire(namespace),
+            shared_memory=self.shared_memory,
+            client_name=self.client_name,
+        )
+        try:
+            call = self.stub.OpenSession(request, metadata=self.metadata)
+            first = _first_event(call, self.timeout_s)
+        except grpc.RpcError as exc:
+            raise self.failed(exc) from None
+        info = first.opened
+        if bytes(info.namespace_digest) != namespace.digest:
+            call.cancel()
+            raise InvalidRequestError(
+                "the sidecar computes another namespace digest for this model: its lmtier "
+                f"version ({info.server_version}) keys chunks differently"
+            )
+        pool = self._map(info.shm) if info.HasField("shm") else None
+        session = ClientSession(info, call, pool)
+        watcher = threading.Thread(target=self._watch, args=(session,), daemon=True)
+        watcher.name = "lmtier-sidecar-session"
+        watcher.start()
+        return session
+
+    def _map(self, shm: pb.SharedMemory) -> HostPool | None:
+        """The shared pool's slabs (mapped once per sidecar incarnation); None when it
+        cannot be mapped here (then this client streams)."""
+        with self._lock:
+            found = self._regions.get(shm.path)
+            if found is not None:
+                return found[1]
+        try:
+            region = SharedRegion.attach(Path(shm.path), shm.size)
+        except OSError as exc:
+            logger.warning("cannot map the sidecar's shared pool (%s): streaming instead", exc)
+            return None
+        region.pin()
+        memory = region.tensor[shm.first_slab_offset :]
+        pool = HostPool(shm.slab_stride, shm.num_slabs, align=64, region=memory)
+        with self._lock:
+            self._regions[shm.path] = (region, pool)
+        return pool
+
+    def _watch(self, session: ClientSession) -> None:
+        """Follow a session's stream until it ends; then the session is dead."""
+        try:
+            for event in session.call:
+                if event.WhichOneof("event") == "draining":
+                    logger.info("sidecar %s is draining", self.target)
+        except grpc.RpcError:
+            pass
+        session.alive = False
+        with self._lock:
+            if self._sessions.get(session.info.namespace_digest) is session:
+                del self._sessions[session.info.namespace_digest]
+
+    def _end(self, session: ClientSession) -> None:
+        session.alive = False
+        session.call.cancel()
+
+    def _drop_sessions(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            self._end(session)
+
+    # ---- releases ------------------------------------------------------------------
+
+    def release(self, session: ClientSession, lease: int) -> None:
+        """Queue the end of ``lease`` (sent in the background; any thread)."""
+        with self._lock:
+            session.releases.append(lease)
+            self._pending.add(session)
+            self._wake.notify()
+
+    def _send_releases(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                batch = [(s, s.releases) for s in self._pending]
+                for session, _ in batch:
+                    session.releases = []
+                self._pending.clear()
+                closed = self._closed
+            for session, leases in batch:
+                if session.alive and leases:
+                    request = pb.ReleaseRequest(session_id=session.id, leases=leases)
+                    try:
+                        self.stub.Release(request, timeout=self.timeout_s, metadata=self.metadata)
+                    except grpc.RpcError as exc:
+                        logger.debug("release of %d lease(s) failed: %s", len(leases), exc)
+            if closed:
+                return
+
+    def close(self) -> None:
+        """Send queued releases, end every session, close the channel. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify()
+        self._sender.join(timeout=self.timeout_s)
+        self._drop_sessions()
+        self._channel.close()
+        with self._lock:
+            regions, self._regions = list(self._regions.values()), {}
+        for region, pool in regions:
+            pool.close()
+            region.close()
+
+    def sessions(self) -> Sequence[ClientSession]:
+        with self._lock:
+            return list(self._sessions.values())
+
+
+def _first_event(call: Any, timeout_s: float) -> pb.SessionEvent:
+    """The first message of an OpenSession stream, within ``timeout_s``."""
+    result: list[Any] = []
+
+    def read() -> None:
+        try:
+            result.append(next(call))
+        except BaseException as exc:  # an RpcError, or StopIteration on a bare close
+            result.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not result:
+        call.cancel()
+        reader.join()
+    first = result[0]
+    if isinstance(first, grpc.RpcError):
+        raise first
+    if isinstance(first, BaseException) or first.WhichOneof("event") != "opened":
+        raise SidecarUnavailable("the sidecar ended the session before opening it")
+    event: pb.SessionEvent = first
+    return event

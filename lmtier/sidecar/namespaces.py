@@ -1,0 +1,155 @@
+"""The namespaces one sidecar serves: what a session's wire description means, and the
+chunk check that knows every namespace's geometry.
+
+One sidecar caches KV of many models and tenants in one host pool. Every chunk key
+starts with its namespace's 16-byte digest, so the geometry a loaded chunk must have
+is found from its key: :class:`NamespaceCheck` keeps digest -> geometry for every
+namespace a session has opened, and refuses chunks of any other (a chunk of a model
+no session has described is never served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmtier.chunks.format import ChunkGeometry, DecodedChunk
+from lmtier.chunks.integrity import ChunkMac
+from lmtier.chunks.keys import KEY_BYTES, ChunkKey, Namespace
+from lmtier.config import chunk_size_problem
+from lmtier.errors import InvalidRequestError, brief
+from lmtier.kv_spec import KVSpec
+from lmtier.storage.check import ChunkCheck
+from lmtier.v1 import sidecar_pb2 as pb
+
+__all__ = ["DIGEST_BYTES", "MAX_NAMESPACES", "NamespaceCheck", "SessionSpace", "parse_keys"]
+
+DIGEST_BYTES = KEY_BYTES // 2
+MAX_NAMESPACES = 65536
+"""Geometries remembered (a few dozen bytes each); past it, the oldest are dropped
+(their chunks then miss until a session describes them again)."""
+MAX_KEYS = 1 << 16
+"""Keys in one call: 16M tokens at 256 per chunk."""
+_MAX_DIM = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpace:
+    """A session's namespace: the key space, the KV spec and chunk size behind it."""
+
+    namespace: Namespace
+    spec: KVSpec
+    chunk_size: int
+
+    @property
+    def digest(self) -> bytes:
+        return self.namespace.digest
+
+    @property
+    def geometry(self) -> ChunkGeometry:
+        return self.spec.geometry(self.chunk_size)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Encoded bytes of one full chunk (what one slab must hold)."""
+        return self.spec.encoded_chunk_bytes(self.chunk_size)
+
+    @classmethod
+    def from_wire(cls, message: pb.Namespace) -> SessionSpace:
+        """Check a wire namespace and build it; InvalidRequestError naming the field."""
+        if not message.model_id.strip() and not message.model_revision.strip():
+            raise InvalidRequestError("namespace.model_id (or model_revision) is required")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(message, name)
+            if not 0 < value <= _MAX_DIM:
+                raise InvalidRequestError(f"namespace.{name} must be in 1..{_MAX_DIM}, got {value}")
+        problem = chunk_size_problem(message.chunk_size)
+        if problem is not None:
+            raise InvalidRequestError(f"namespace.chunk_size {problem}")
+        tp_size = message.tp_size or 1
+        if message.tp_rank >= tp_size:
+            raise InvalidRequestError(
+                f"namespace.tp_rank must be below tp_size {tp_size}, got {message.tp_rank}"
+            )
+        try:
+            spec = KVSpec(
+                message.num_layers,
+                message.num_kv_heads,
+                message.head_dim,
+                dtype=message.kv_dtype or "float32",
+                layout=message.kv_layout or "LKTHD",
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(f"namespace: {exc}") from None
+        namespace = Namespace(
+            model_id=message.model_id,
+            model_revision=message.model_revision,
+            kv_dtype=spec.dtype,
+            kv_layout=spec.layout,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            chunk_size=message.chunk_size,
+            tp_size=tp_size,
+            tp_rank=message.tp_rank,
+            cache_salt=message.cache_salt,
+        )
+        return cls(namespace, spec, message.chunk_size)
+
+
+def to_wire(namespace: Namespace) -> pb.Namespace:
+    """The wire form of ``namespace`` (what a client sends to open a session)."""
+    return pb.Namespace(
+        model_id=namespace.model_id,
+        model_revision=namespace.model_revision,
+        kv_dtype=namespace.kv_dtype,
+        kv_layout=namespace.kv_layout,
+        num_layers=namespace.num_layers,
+        num_kv_heads=namespace.num_kv_heads,
+        head_dim=namespace.head_dim,
+        chunk_size=namespace.chunk_size,
+        tp_size=namespace.tp_size,
+        tp_rank=namespace.tp_rank,
+        cache_salt=namespace.cache_salt,
+    )
+
+
+def parse_keys(data: bytes, digest: bytes) -> list[ChunkKey]:
+    """Concatenated 32-byte keys, each of the namespace ``digest``.
+
+    InvalidRequestError for a length that is no multiple of 32 or too many keys;
+    PermissionError for a key of another namespace (another model or tenant).
+    """
+    if len(data) % KEY_BYTES:
+        raise InvalidRequestError(f"keys must be 32 bytes each; got {len(data)} bytes")
+    if len(data) > MAX_KEYS * KEY_BYTES:
+        raise InvalidRequestError(f"at most {MAX_KEYS} keys per call, got {len(data) // 32}")
+    keys = [ChunkKey(data[i : i + KEY_BYTES]) for i in range(0, len(data), KEY_BYTES)]
+    for index, key in enumerate(keys):
+        if key[:DIGEST_BYTES] != digest:
+            raise PermissionError(
+                f"key {index} ({brief(key.hex())}) is not of this session's namespace"
+            )
+    return keys
+
+
+class NamespaceCheck(ChunkCheck):
+    """:class:`ChunkCheck` for many namespaces: a chunk must have the geometry of the
+    namespace its key names (see the module docstring)."""
+
+    __slots__ = ("_geometries",)
+
+    def __init__(self, mac: ChunkMac | None = None) -> None:
+        super().__init__(None, mac)
+        self._geometries: dict[bytes, ChunkGeometry] = {}
+
+    def register(self, space: SessionSpace) -> None:
+        """Remember ``space``'s geometry (sessions call it when they open)."""
+        geometries = self._geometries
+        geometries.pop(space.digest, None)
+        geometries[space.digest] = space.geometry
+        while len(geometries) > MAX_NAMESPACES:
+            del geometries[next(iter(geometries))]
+
+    def fits(self, chunk: DecodedChunk) -> bool:
+        geometry = self._geometries.get(chunk.meta.namespace)
+        return geometry is not None and geometry.matches(chunk.meta)

@@ -1,0 +1,257 @@
+"""``lmtier serve``: one process that owns a node's KV cache and serves it over gRPC.
+
+:class:`Sidecar` assembles the parts on one asyncio loop: the host pool (in shared
+memory when clients may map it), the StorageManager with every configured tier, one
+:class:`~lmtier.sidecar.namespaces.NamespaceCheck` for all the namespaces its
+sessions describe, the gRPC server (``lmtier.v1.Sidecar`` and ``grpc.health.v1``),
+the lease reaper and the Prometheus endpoint.
+
+Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING and new calls get
+UNAVAILABLE; sessions are told and end; calls in flight finish (up to half of
+``sidecar.drain_timeout_s``); queued background writes are flushed within what is
+left; the tiers close; the shared pool's file and the socket are removed; exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from lmtier.chunks.integrity import load_key
+from lmtier.config import LMTierConfig
+from lmtier.sidecar.auth import Authenticator, server_credentials
+from lmtier.sidecar.listen import (
+    ListenAddress,
+    check_policy,
+    default_listen,
+    parse_listen,
+    prepare_unix_socket,
+    secure_unix_socket,
+)
+from lmtier.sidecar.metrics import MetricsServer, SidecarMetrics
+from lmtier.sidecar.namespaces import NamespaceCheck
+from lmtier.sidecar.service import Parts, SidecarService
+from lmtier.sidecar.sessions import Sessions
+from lmtier.sidecar.shm import SharedRegion
+from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import open_host_pool
+from lmtier.storage.plugins import open_tiers
+from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+
+__all__ = ["SERVICE_NAME", "Sidecar"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "lmtier.v1.Sidecar"
+KEEPALIVE_MS = 10_000
+"""HTTP/2 pings on idle connections: a peer gone without a FIN (a machine lost, a
+cable cut) is noticed within ~2 keepalives, and its sessions and leases end."""
+
+
+class Sidecar:
+    """A running sidecar (module docstring). ``await start()``, then ``await
+    wait_closed()``; :meth:`drain` (also on SIGTERM) ends it."""
+
+    def __init__(self, config: LMTierConfig, listen: str | None = None) -> None:
+        self.config = config
+        side = config.sidecar
+        self.address: ListenAddress = parse_listen(
+            listen or side.listen or default_listen(os.environ)
+        )
+        self.auth = Authenticator.from_config(side)
+        check_policy(self.address, side, self.auth)
+        self.metrics = SidecarMetrics()
+        self.shm: SharedRegion | None = None
+        self.service: SidecarService | None = None
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._metrics_server: MetricsServer | None = None
+        self._manager: StorageManager | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = asyncio.Event()
+        self._draining = False
+
+    @property
+    def target(self) -> str:
+        """What a client dials (``unix:///...`` or ``host:port`` with the bound port)."""
+        if self.address.kind == "unix":
+            return self.address.grpc_target
+        host = self.address.grpc_target.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Open the pool and tiers, bind, and serve."""
+        config, side = self.config, self.config.sidecar
+        offer_shm = side.shared_memory and self.address.kind == "unix"
+
+        def shared(size: int) -> Any:
+            self.shm = SharedRegion.create(side.shm_dir, size)
+            return self.shm.tensor
+
+        pool, cache_slabs = open_host_pool(config, side.slab_bytes, shared if offer_shm else None)
+        mac = load_key(config.integrity.key, config.integrity.key_file)
+        check = NamespaceCheck(mac)
+        try:
+            tiers = await open_tiers(config)
+            memory = CPUTier(pool, cache_slabs * pool.slab_bytes)
+            manager = StorageManager(memory, tiers, check=check)
+            await manager.start()
+        except BaseException:
+            pool.close()
+            self._drop_shm()
+            raise
+        self._manager = manager
+        sessions = Sessions(max_sessions=side.max_sessions, lease_ttl_s=side.lease_ttl_s)
+        parts = Parts(config, manager, pool, check, sessions, self.auth, self.metrics, self.shm)
+        self.service = service = SidecarService(parts)
+        self._pool = pool
+        await self._serve(service)
+        self.metrics.set_sources(
+            tiers=lambda: {t.name: t.stats for t in (manager.memory, *manager.tiers)},
+            extra=lambda: _queue_depths(manager),
+            gauges=service.gauges,
+        )
+        if side.metrics_listen:
+            self._metrics_server = self.metrics.serve(side.metrics_listen)
+        self._tasks.append(asyncio.create_task(self._reap(sessions)))
+        logger.info(
+            "lmtier sidecar serving on %s (%s, %d slabs of %d bytes%s)",
+            self.target,
+            "token required" if self.auth.required else "no token",
+            pool.num_slabs,
+            pool.slab_bytes,
+            ", shared memory" if offer_shm else "",
+        )
+
+    async def _serve(self, service: SidecarService) -> None:
+        side = self.config.sidecar
+        options = [
+            ("grpc.max_receive_message_length", side.max_message_bytes),
+            ("grpc.max_send_message_length", side.max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_SidecarServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        credentials = server_credentials(side)
+        address = self.address
+        if address.kind == "unix":
+            assert address.path is not None  # a unix address has one
+            prepare_unix_socket(address.path)
+        old_umask = os.umask(0o177)  # the socket is born owner-only, no window
+        try:
+            target = address.grpc_target
+            if credentials is None:
+                self.port = server.add_insecure_port(target)
+            else:
+                self.port = server.add_secure_port(target, credentials)
+            await server.start()
+        finally:
+            os.umask(old_umask)
+        if address.kind == "unix":
+            assert address.path is not None
+            secure_unix_socket(address.path)
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _reap(self, sessions: Sessions) -> None:
+        interval = min(1.0, sessions.lease_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            sessions.reap()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT drain (on the running loop)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, functools.partial(self._on_signal, sig))
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        logger.info("%s: draining", signal.Signals(sig).name)
+        self._tasks.append(asyncio.create_task(self.drain()))
+
+    async def drain(self) -> None:
+        """Stop serving gracefully (module docstring). Idempotent."""
+        if self._draining:
+            await self._closed.wait()
+            return
+        self._draining = True
+        deadline = time.monotonic() + self.config.sidecar.drain_timeout_s
+        try:
+            await self._drain(deadline)
+        finally:
+            self._closed.set()
+
+    async def _drain(self, deadline: float) -> None:
+        service, server, manager = self.service, self._server, self._manager
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if service is not None:
+            service.draining = True
+            for session in service.parts.sessions:
+                session.ended.set()
+        if server is not None:
+            await server.stop(max(0.0, (deadline - time.monotonic()) / 2))
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if manager is not None:
+            try:
+                await asyncio.wait_for(manager.flush(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                logger.warning("drain: background writes still queued at the deadline")
+            await manager.close()
+        if service is not None:
+            for session in service.parts.sessions:
+                service.parts.sessions.close(session)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        self._pool.close()
+        self._drop_shm()
+        if self.address.kind == "unix" and self.address.path is not None:
+            with contextlib.suppress(OSError):
+                Path(self.address.path).unlink()
+        logger.info("lmtier sidecar stopped")
+
+    def _drop_shm(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+
+    async def wait_closed(self) -> None:
+        """Until :meth:`drain` has finished."""
+        await self._closed.wait()
+
+
+def _queue_depths(manager: StorageManager) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for tier in manager.tiers:
+        depth = manager.writes.depth(tier)
+        if depth is not None:
+            out[tier.name] = {"queue_depth": float(depth)}
+    return out
+
+
+async def serve(config: LMTierConfig, listen: str | None = None) -> int:
+    """Run a sidecar until SIGTERM or SIGINT; the exit code (0 after a drain)."""
+    sidecar = Sidecar(config, listen)
+    await sidecar.start()
+    sidecar.install_signal_handlers()
+    print(f"lmtier sidecar listening on {sidecar.target}", flush=True)
+    await sidecar.wait_closed()
+    return 0

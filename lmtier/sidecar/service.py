@@ -1,0 +1,471 @@
+"""The sidecar's gRPC handlers (``lmtier.v1.Sidecar``), on the sidecar's event loop.
+
+Each handler checks the caller (:mod:`.auth`), finds its session (:mod:`.sessions`),
+turns the request into StorageManager calls, and answers; every failure becomes a
+status code with lmtier's message (:mod:`.status`). Handlers never block the loop on
+I/O: tier calls are the manager's coroutines; the rest is hashing, header checks and
+(streaming calls only) copies of chunk bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from lmtier import __version__
+from lmtier.chunks.format import decode_as
+from lmtier.chunks.hashers import make_hasher
+from lmtier.chunks.keys import KEY_BYTES, ChunkKey
+from lmtier.config import LMTierConfig
+from lmtier.errors import CapacityError, CorruptChunk, InvalidRequestError
+from lmtier.sidecar.auth import Authenticator, Principal
+from lmtier.sidecar.metrics import SidecarMetrics
+from lmtier.sidecar.namespaces import DIGEST_BYTES, NamespaceCheck, SessionSpace, parse_keys
+from lmtier.sidecar.sessions import Session, Sessions
+from lmtier.sidecar.shm import SharedRegion
+from lmtier.sidecar.status import Draining, NotOffered, status_of
+from lmtier.storage.lookup import LoadedChunk, TierSpan
+from lmtier.storage.lookup import Lookup as Found
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+
+__all__ = ["SidecarService"]
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+Handler = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What the handlers work with, built by :mod:`.server`."""
+
+    config: LMTierConfig
+    manager: StorageManager
+    pool: HostPool
+    check: NamespaceCheck
+    sessions: Sessions
+    auth: Authenticator
+    metrics: SidecarMetrics
+    shm: SharedRegion | None
+    """The shared host pool, offered to sessions that ask (None: streaming only)."""
+
+
+def _unary(method: Handler) -> Handler:
+    """A unary handler: admission, status codes, metrics (module docstring)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handle(self: SidecarService, request: Any, context: Any) -> Any:
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return await method(self, request, self._admit(context))
+        except Exception as exc:  # every failure answers with a status, never a trace
+            code, message = status_of(exc, name)
+            await context.abort(code, message)
+        finally:
+            self.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
+
+    return handle
+
+
+def _streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """:func:`_unary` for a handler that streams its answer."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handle(self: SidecarService, request: Any, context: Any) -> AsyncIterator[Any]:
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            async for message in method(self, request, self._admit(context), context):
+                yield message
+        except Exception as exc:
+            code, text = status_of(exc, name)
+            await context.abort(code, text)
+        finally:
+            self.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
+
+    return handle
+
+
+class SidecarService(pb_grpc.SidecarServicer):
+    """The handlers of ``lmtier.v1.Sidecar`` (see proto/lmtier/v1/sidecar.proto)."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.draining = False
+        self._piece = parts.config.sidecar.stream_piece_bytes
+
+    def _admit(self, context: Any) -> Principal:
+        if self.draining:
+            raise Draining("the sidecar is draining: retry against its successor")
+        return self.parts.auth.authenticate(context.invocation_metadata())
+
+    def _session(self, session_id: bytes, principal: Principal) -> Session:
+        return self.parts.sessions.get(session_id, principal)
+
+    # ---- sessions ----------------------------------------------------------------
+
+    @_streaming
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, principal: Principal, context: Any
+    ) -> AsyncIterator[pb.SessionEvent]:
+        space = SessionSpace.from_wire(request.namespace)
+        if not principal.allows(space.namespace.model_id, space.namespace.cache_salt):
+            raise PermissionError(
+                f"{principal.name} may not use model {space.namespace.model_id!r} under "
+                "this cache salt"
+            )
+        slab_bytes = self.parts.pool.slab_bytes
+        if space.chunk_bytes > slab_bytes:
+            raise InvalidRequestError(
+                f"a chunk of this namespace is {space.chunk_bytes} bytes; the sidecar's slabs "
+                f"hold {slab_bytes} (raise sidecar.slab_bytes, or use a smaller chunk_size)"
+            )
+        shm = self.parts.shm if request.shared_memory else None
+        self.parts.check.register(space)
+        session = self.parts.sessions.open(
+            space, principal, shared_memory=shm is not None, client_name=request.client_name
+        )
+        logger.info(
+            "session opened: %s (%s), model %s, rank %d/%d, %s",
+            request.client_name or "unnamed client",
+            principal.name,
+            space.namespace.model_id,
+            space.namespace.tp_rank,
+            space.namespace.tp_size,
+            "shared memory" if shm is not None else "streaming",
+        )
+        try:
+            yield pb.SessionEvent(opened=self._info(session, shm))
+            await session.ended.wait()
+            if self.draining:
+                yield pb.SessionEvent(draining="the sidecar is draining")
+        finally:
+            released = self.parts.sessions.close(session)
+            logger.info(
+                "session closed: %s, %d lease(s) released", request.client_name or "?", released
+            )
+
+    def _info(self, session: Session, shm: SharedRegion | None) -> pb.SessionInfo:
+        pool = self.parts.pool
+        info = pb.SessionInfo(
+            session_id=session.id,
+            namespace_digest=session.space.digest,
+            hash_algorithm=self.parts.config.hash_algorithm,
+            lease_ttl_s=self.parts.sessions.lease_ttl_s,
+            max_chunk_bytes=pool.slab_bytes,
+            server_version=__version__,
+        )
+        if shm is not None:
+            info.shm.CopyFrom(
+                pb.SharedMemory(
+                    path=str(shm.path),
+                    size=shm.size,
+                    first_slab_offset=pool.first_slab_offset,
+                    slab_stride=pool.slab_bytes,
+                    slab_bytes=pool.slab_bytes,
+                    num_slabs=pool.num_slabs,
+                )
+            )
+        return info
+
+    # ---- lookups and loads -------------------------------------------------------
+
+    def _keys(self, session: Session, request: Any) -> list[ChunkKey]:
+        """The keys a Lookup or Load names (hashed from tokens, or given)."""
+        space = session.space
+        if request.WhichOneof("query") == "tokens":
+            ids = np.fromiter(request.tokens.ids, dtype=np.uint32, count=len(request.tokens.ids))
+            hasher = make_hasher(space.namespace, algorithm=self.parts.config.hash_algorithm)
+            keys = hasher.extend(ids)
+            if request.max_tokens:
+                keys = keys[: request.max_tokens // space.chunk_size]
+            return keys
+        return parse_keys(request.keys, space.digest)
+
+    @_unary
+    async def Lookup(self, request: pb.LookupRequest, principal: Principal) -> pb.LookupReply:
+        session = self._session(request.session_id, principal)
+        keys = self._keys(session, request)
+        manager = self.parts.manager
+        if not keys:
+            found = Found(0, ())
+        elif request.local_only:
+            found = manager.lookup_local(keys)
+        else:
+            found = manager.lookup_now(keys) or await manager.lookup(keys)
+        reply = pb.LookupReply(num_chunks=found.num_chunks, spans=_spans_to_wire(found.spans))
+        if request.WhichOneof("query") == "tokens":
+            reply.keys = b"".join(keys)
+        return reply
+
+    async def _get(self, session: Session, request: pb.LoadRequest) -> list[LoadedChunk]:
+        self.parts.sessions.release(session, request.release)
+        keys = self._keys(session, request)
+        if not keys:
+            return []
+        return await self.parts.manager.get(keys, self._given_lookup(request, len(keys)))
+
+    def _given_lookup(self, request: pb.LoadRequest, num_keys: int) -> Found | None:
+        """The request's lookup spans if they are well formed (contiguous from chunk 0,
+        known tiers, within the keys); None (walk the tiers again) otherwise."""
+        if not request.lookup:
+            return None
+        names = {self.parts.manager.memory.name, *(t.name for t in self.parts.manager.tiers)}
+        spans, at = [], 0
+        for span in request.lookup:
+            if span.tier not in names or span.start != at or not at < span.stop <= num_keys:
+                return None
+            spans.append(TierSpan(span.tier, span.start, span.stop))
+            at = span.stop
+        return Found(at, tuple(spans))
+
+    @_unary
+    async def Load(self, request: pb.LoadRequest, principal: Principal) -> pb.LoadReply:
+        session = self._session(request.session_id, principal)
+        if not session.shared_memory:
+            raise NotOffered("this session has no shared memory: use LoadStream")
+        chunks = await self._get(session, request)
+        reply, granted = pb.LoadReply(), 0
+        grant = self.parts.sessions.grant
+        try:
+            for loaded in chunks:
+                lease = grant(session, loaded.handle, writable=False)
+                granted += 1  # the lease owns the slab now
+                decoded = loaded.chunk
+                reply.chunks.add(
+                    lease=lease,
+                    slab=loaded.handle.index,
+                    length=decoded.payload_offset + len(decoded.payload),
+                    tier=loaded.tier,
+                )
+        finally:
+            for left in chunks[granted:]:
+                left.release()
+        return reply
+
+    @_streaming
+    async def LoadStream(
+        self, request: pb.LoadRequest, principal: Principal, context: Any
+    ) -> AsyncIterator[pb.ChunkPiece]:
+        session = self._session(request.session_id, principal)
+        chunks = await self._get(session, request)
+        piece = self._piece
+        try:
+            for loaded in chunks:
+                decoded = loaded.chunk
+                length = decoded.payload_offset + len(decoded.payload)
+                view = loaded.handle.view
+                for offset in range(0, length, piece):
+                    message = pb.ChunkPiece(
+                        offset=offset, data=bytes(view[offset : min(offset + piece, length)])
+                    )
+                    if offset == 0:
+                        message.key, message.total_length, message.tier = (
+                            loaded.key,
+                            length,
+                            loaded.tier,
+                        )
+                    yield message
+                loaded.release()
+        finally:
+            for loaded in chunks:
+                if not loaded.handle.released:
+                    loaded.release()
+
+    # ---- stores --------------------------------------------------------------------
+
+    @_unary
+    async def AcquireSlabs(
+        self, request: pb.AcquireSlabsRequest, principal: Principal
+    ) -> pb.AcquireSlabsReply:
+        session = self._session(request.session_id, principal)
+        if not session.shared_memory:
+            raise NotOffered("this session has no shared memory: use StoreStream")
+        sessions = self.parts.sessions
+        sessions.release(session, request.release)
+        count = min(request.count, self.parts.pool.num_slabs)
+        if count == 0:
+            return pb.AcquireSlabsReply()
+        handles = self.parts.manager.acquire_slabs(count, True)
+        if not handles:
+            raise CapacityError("no free slab: every slab is held by readers and pending writes")
+        reply = pb.AcquireSlabsReply()
+        for at, handle in enumerate(handles):
+            try:
+                lease = sessions.grant(session, handle, writable=True)
+            except BaseException:
+                for rest in handles[at:]:
+                    rest.release()
+                raise
+            reply.slabs.add(lease=lease, slab=handle.index)
+        return reply
+
+    @_unary
+    async def Commit(self, request: pb.CommitRequest, principal: Principal) -> pb.StoreReply:
+        session = self._session(request.session_id, principal)
+        taken: list[tuple[ChunkKey, SlabHandle, int]] = []
+        try:
+            for index, item in enumerate(request.chunks):
+                handle = self.parts.sessions.take(session, item.lease, writable=True)
+                if handle is None:
+                    raise InvalidRequestError(f"chunk {index}: lease {item.lease} is not held")
+                taken.append((ChunkKey(item.key), handle, item.length))
+            for index, (key, handle, length) in enumerate(taken):
+                self._check_chunk(session, key, handle, length, index)
+        except BaseException:
+            for _, handle, _ in taken:
+                handle.release()
+            raise
+        stored = self.parts.manager.put_many(taken)
+        return pb.StoreReply(stored=stored, dropped=len(taken) - stored)
+
+    def _check_chunk(
+        self, session: Session, key: ChunkKey, handle: SlabHandle, length: int, index: int
+    ) -> None:
+        """That ``handle``'s slab holds chunk ``key``, of a namespace the caller has a
+        session open on (this one, or another salt's), in that namespace's geometry."""
+        if len(key) != KEY_BYTES:
+            raise InvalidRequestError(f"chunk {index}: a key is {KEY_BYTES} bytes")
+        digest = key[:DIGEST_BYTES]
+        space = (
+            session.space
+            if digest == session.space.digest
+            else self.parts.sessions.space_for(session.principal, digest)
+        )
+        if space is None:
+            raise PermissionError(f"chunk {index}: its key is of no namespace you opened")
+        if not 0 < length <= len(handle.view):
+            raise InvalidRequestError(f"chunk {index}: length {length} does not fit a slab")
+        try:
+            chunk = decode_as(key, handle.view[:length], verify=False)
+        except CorruptChunk as exc:
+            raise InvalidRequestError(f"chunk {index}: not a valid chunk ({exc})") from None
+        if not space.geometry.matches(chunk.meta):
+            raise InvalidRequestError(f"chunk {index}: not of its namespace's KV geometry")
+
+    async def StoreStream(
+        self, request_iterator: AsyncIterator[pb.ChunkPiece], context: Any
+    ) -> pb.StoreReply:
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return await self._store_stream(request_iterator, self._admit(context))
+        except Exception as exc:
+            code, message = status_of(exc, "StoreStream")
+            await context.abort(code, message)
+            raise  # abort raises; this is for the type checker
+        finally:
+            self.parts.metrics.observe_call("StoreStream", time.perf_counter() - started, code.name)
+
+    async def _store_stream(
+        self, pieces: AsyncIterator[pb.ChunkPiece], principal: Principal
+    ) -> pb.StoreReply:
+        session: Session | None = None
+        stored = dropped = 0
+        key, handle, length, filled = ChunkKey(b""), None, 0, 0
+        try:
+            async for piece in pieces:
+                if session is None:
+                    session = self._session(piece.session_id, principal)
+                if filled == length:  # a new chunk starts
+                    if piece.offset != 0 or not piece.key:
+                        raise InvalidRequestError("a chunk's first piece has its key, offset 0")
+                    key, length, filled = ChunkKey(piece.key), piece.total_length, 0
+                    if not 0 < length <= self.parts.pool.slab_bytes:
+                        raise InvalidRequestError(f"a chunk of {length} bytes does not fit a slab")
+                    got = self.parts.manager.acquire_slabs(1, True)
+                    handle = got[0] if got else None
+                if piece.offset != filled or filled + len(piece.data) > length:
+                    raise InvalidRequestError("chunk pieces must come in order, within its length")
+                if handle is not None:
+                    handle.view[filled : filled + len(piece.data)] = piece.data
+                filled += len(piece.data)
+                if filled == length:
+                    if handle is None:
+                        dropped += 1
+                        continue
+                    self._check_chunk(session, key, handle, length, stored + dropped)
+                    done, handle = self.parts.manager.put_many([(key, handle, length)]), None
+                    stored += done
+                    dropped += 1 - done
+            if filled != length:
+                raise InvalidRequestError("the stream ended inside a chunk")
+        finally:
+            if handle is not None:
+                handle.release()
+        return pb.StoreReply(stored=stored, dropped=dropped)
+
+    @_unary
+    async def Release(self, request: pb.ReleaseRequest, principal: Principal) -> pb.ReleaseReply:
+        session = self._session(request.session_id, principal)
+        self.parts.sessions.release(session, request.leases)
+        return pb.ReleaseReply()
+
+    # ---- operations ----------------------------------------------------------------
+
+    @_unary
+    async def Flush(self, request: pb.FlushRequest, principal: Principal) -> pb.FlushReply:
+        self._session(request.session_id, principal)
+        timeout = request.timeout_s or self.parts.config.sidecar.drain_timeout_s
+        try:
+            await asyncio.wait_for(self.parts.manager.flush(), timeout)
+        except TimeoutError:
+            return pb.FlushReply(done=False)
+        return pb.FlushReply(done=True)
+
+    @_unary
+    async def Stats(self, request: pb.StatsRequest, principal: Principal) -> pb.StatsReply:
+        self._session(request.session_id, principal)
+        reply = pb.StatsReply()
+        for tier, entry in self.parts.manager.stats().items():
+            counters = reply.tiers[tier]
+            for name, value in _numbers(entry):
+                counters.values[name] = value
+        for name, value in self.gauges().items():
+            reply.sidecar.values[name] = value
+        return reply
+
+    def gauges(self) -> dict[str, float]:
+        """The sidecar's own gauges (Stats, and /metrics)."""
+        sessions, pool = self.parts.sessions, self.parts.pool
+        return {
+            "sessions": len(sessions),
+            "clients": sessions.num_clients,
+            "leases": sessions.num_leases,
+            "leases_expired": sessions.expired,
+            "slabs_total": pool.num_slabs,
+            "slabs_in_use": pool.num_in_use,
+        }
+
+    @_unary
+    async def Purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:
+        session = self._session(request.session_id, principal)
+        deleted = await self.parts.manager.purge(session.space.digest)
+        return pb.PurgeReply(deleted={k: v for k, v in deleted.items() if v >= 0})
+
+
+def _spans_to_wire(spans: Sequence[TierSpan]) -> list[pb.TierSpan]:
+    return [pb.TierSpan(tier=s.tier, start=s.start, stop=s.stop) for s in spans]
+
+
+def _numbers(entry: dict[str, object], prefix: str = "") -> list[tuple[str, float]]:
+    """The numeric leaves of a stats entry, nested names joined with '.'."""
+    out: list[tuple[str, float]] = []
+    for name, value in entry.items():
+        if isinstance(value, (bool, int, float)):
+            out.append((prefix + name, float(value)))
+        elif isinstance(value, dict):
+            out.extend(_numbers(value, f"{prefix}{name}."))
+    return out
