@@ -28,7 +28,8 @@ configuration and bugs.
     │   ├── BackendUnavailable      connection refused, server down, circuit breaker open
     │   └── BackendTimeout          the call did not finish within its timeout
     ├── CapacityError               an item larger than a pool or tier could ever hold
-    └── HandleError                 misuse of a pooled buffer (double release, use after release)
+    ├── HandleError                 misuse of a pooled buffer (double release, use after release)
+    └── AuthenticationError         a sidecar call without a valid bearer token
 
 ``CorruptChunk`` is not a ``BackendError``: decoding validates bytes from anywhere
 (a file, a socket, a test), and a corrupt chunk says nothing about the tier's health.
@@ -45,6 +46,7 @@ from __future__ import annotations
 import reprlib
 
 __all__ = [
+    "AuthenticationError",
     "BackendError",
     "BackendTimeout",
     "BackendUnavailable",
@@ -165,3 +167,8 @@ class CapacityError(LMTierError):
 
 class HandleError(LMTierError):
     """A pooled buffer handle was misused (released twice, or used after release)."""
+
+
+class AuthenticationError(LMTierError):
+    """A sidecar call carried no bearer token, a malformed one, or one that is not
+    configured. The message says which, and never quotes a token."""
