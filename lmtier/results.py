@@ -135,6 +135,7 @@ class LoadResult:
         return chunks
 
     def _view(self, loaded: LoadedChunk) -> torch.Tensor:
+        loaded.handle.check("a loaded chunk")  # a lease that ended is never read
         meta = loaded.chunk.meta
         raw = np.frombuffer(loaded.chunk.payload, dtype=np.uint8).view(_Owned)
         raw.owner = self

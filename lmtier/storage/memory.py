@@ -112,6 +112,11 @@ class SlabHandle:
         self._check_usable("tensor")
         return tensors[self._index]
 
+    def check(self, what: str = "the slab") -> None:
+        """HandleError if this lease can no longer be used (released, pool closed, or,
+        for a sidecar's lease, past its deadline)."""
+        self._check_usable(what)
+
     def share(self) -> SlabHandle:
         """Return a new lease on the same slab for another owner (ref count + 1)."""
         pool = self._pool

@@ -1,0 +1,90 @@
+"""A client process of a sidecar for the integration tests: run as a script, it does
+one thing through ``LMTier.connect`` and prints one JSON line per step.
+
+    python sidecar_client.py TARGET store PROMPT_SEED N_TOKENS [--stream] [--salt S]
+    python sidecar_client.py TARGET load PROMPT_SEED N_TOKENS [--stream] [--salt S]
+    python sidecar_client.py TARGET hold PROMPT_SEED N_TOKENS   (load, acquire, then wait)
+
+Prompts and KV are functions of the seed, so the test process knows what a load must
+return (:func:`prompt`, :func:`kv_of`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import torch
+
+from lmtier import KVSpec, LMTier, load_config
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64)
+"""2 KiB per token: 512 KiB chunks of 256 tokens."""
+MODEL = "sidecar-test-model"
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32_000, (n,), generator=generator).tolist()
+
+
+def kv_of(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(SPEC.shape(n), generator=torch.Generator().manual_seed(seed + 1))
+
+
+def digest(tensor: torch.Tensor | None) -> str:
+    if tensor is None:
+        return ""
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def connect(target: str, *, stream: bool, timeout_s: float = 10.0) -> LMTier:
+    config = load_config(env={})
+    return LMTier.connect(
+        target,
+        config,
+        kv=SPEC,
+        model_id=MODEL,
+        shared_memory=not stream,
+        timeout_s=timeout_s,
+        client_name="test-client",
+    )
+
+
+def say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("target")
+    parser.add_argument("mode", choices=["store", "load", "hold"])
+    parser.add_argument("seed", type=int)
+    parser.add_argument("tokens", type=int)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--salt", default="")
+    args = parser.parse_args()
+    ids = prompt(args.seed, args.tokens)
+    cache = connect(args.target, stream=args.stream)
+    if args.mode == "store":
+        stored = cache.store(ids, kv_of(args.seed, args.tokens), cache_salt=args.salt)
+        cache.flush()
+        say(stored=stored)
+    elif args.mode == "load":
+        with cache.load(ids, cache_salt=args.salt) as hit:
+            say(tokens=hit.num_tokens, tiers=hit.tokens_by_tier(), sha=digest(hit.kv()))
+    else:
+        hit = cache.load(ids, cache_salt=args.salt)
+        slabs = cache.acquire_slabs(2)
+        say(tokens=hit.num_tokens, acquired=len(slabs))
+        while True:  # until killed
+            time.sleep(3600)
+    cache.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The sidecar as users run it: a real ``lmtier serve`` process and real client
+processes (``sidecar_client.py``), sharing one node's cache through shared memory or
+gRPC streams; slabs that come back when clients die; a sidecar killed, restarted
+and drained."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sidecar_client import connect, digest, kv_of, prompt
+
+from lmtier import LMTier
+from lmtier.errors import HandleError
+from lmtier.testing.sidecar import SidecarProcess
+
+pytestmark = pytest.mark.integration
+
+CLIENT = str(Path(__file__).parent / "sidecar_client.py")
+SETTINGS: dict[str, Any] = {
+    "cpu": {"capacity_bytes": "32MiB", "staging_bytes": "8MiB"},
+    "sidecar": {"slab_bytes": "520KiB"},
+}
+TOKENS = 256 * 6 + 100  # six full chunks and a tail
+
+
+def run_client(target: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, CLIENT, target, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Wait for ``condition`` (a state the system converges to, not a race)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+    with SidecarProcess(tmp_path / "sidecar", SETTINGS) as process:
+        yield process
+
+
+@pytest.fixture
+def observer(sidecar: SidecarProcess) -> Iterator[LMTier]:
+    cache = connect(sidecar.target, stream=False)
+    yield cache
+    cache.close()
+
+
+def gauges(cache: LMTier) -> dict[str, float]:
+    found = cache.stats().get("sidecar", {})
+    return {k: float(v) for k, v in found.items()}  # type: ignore[arg-type]
+
+
+def test_two_client_processes_share_cpu_hits_bit_exact(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    stored = run_client(sidecar.target, "store", "1", str(TOKENS))
+    assert stored == {"stored": 6}
+    expected = digest(kv_of(1, TOKENS)[:, :, : 6 * 256])
+    for mode in ([], ["--stream"]):
+        loaded = run_client(sidecar.target, "load", "1", str(TOKENS), *mode)
+        assert loaded == {"tokens": 6 * 256, "tiers": {"cpu": 6 * 256}, "sha": expected}
+    # A second store from another process finds the chunks cached: nothing new.
+    assert run_client(sidecar.target, "store", "1", str(TOKENS), "--stream") == {"stored": 0}
+
+
+def test_streaming_store_is_loaded_through_shared_memory(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    assert run_client(sidecar.target, "store", "2", str(TOKENS), "--stream") == {"stored": 6}
+    with observer.load(prompt(2, TOKENS)) as hit:
+        assert hit.num_tokens == 6 * 256
+        assert torch.equal(hit.kv(), kv_of(2, TOKENS)[:, :, : 6 * 256])
+
+
+def test_tenants_do_not_see_each_other(sidecar: SidecarProcess, observer: LMTier) -> None:
+    assert run_client(sidecar.target, "store", "3", str(TOKENS), "--salt", "a") == {"stored": 6}
+    ids = prompt(3, TOKENS)
+    assert observer.lookup(ids, cache_salt="a").num_tokens == 6 * 256
+    assert observer.lookup(ids, cache_salt="b").num_tokens == 0
+    assert observer.lookup(ids).num_tokens == 0
+
+
+def test_sigkill_of_a_client_holding_leases_returns_every_slab(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    assert run_client(sidecar.target, "store", "4", str(TOKENS)) == {"stored": 6}
+    before = gauges(observer)
+    holder = subprocess.Popen(
+        [sys.executable, CLIENT, sidecar.target, "hold", "4", str(TOKENS)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert json.loads(holder.stdout.readline()) == {"tokens": 6 * 256, "acquired": 2}
+        held = gauges(observer)
+        assert held["leases"] == 8 and held["slabs_in_use"] == before["slabs_in_use"] + 2
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    eventually(lambda: gauges(observer)["leases"] == 0, "the dead client's leases end")
+    after = gauges(observer)
+    assert after["slabs_in_use"] == before["slabs_in_use"]
+    assert after["sessions"] == before["sessions"]
+
+
+def test_a_lease_past_its_deadline_is_reclaimed_and_unusable(tmp_path: Path) -> None:
+    settings = {**SETTINGS, "sidecar": {**SETTINGS["sidecar"], "lease_ttl_s": 1.0}}
+    with SidecarProcess(tmp_path / "sidecar", settings) as sidecar:
+        assert run_client(sidecar.target, "store", "5", str(TOKENS)) == {"stored": 6}
+        cache = connect(sidecar.target, stream=False)
+        try:
+            hit = cache.load(prompt(5, TOKENS))
+            assert hit.num_tokens == 6 * 256
+            watcher = connect(sidecar.target, stream=False)
+            eventually(lambda: gauges(watcher)["leases_expired"] >= 6, "the reaper runs")
+            watcher.close()
+            with pytest.raises(HandleError, match="lease expired"):
+                hit.kv()
+            hit.release()
+            # The client reopens a session and carries on.
+            with cache.load(prompt(5, TOKENS)) as again:
+                assert torch.equal(again.kv(), kv_of(5, TOKENS)[:, :, : 6 * 256])
+        finally:
+            cache.close()
+
+
+def test_sidecar_killed_mid_load_costs_a_miss_and_a_restart_serves_disk(
+    tmp_path: Path,
+) -> None:
+    settings = {**SETTINGS, "disk": {"path": str(tmp_path / "disk"), "capacity_bytes": "1GiB"}}
+    first = SidecarProcess(tmp_path / "one", settings).start()
+    cache = connect(first.target, stream=False, timeout_s=5.0)
+    ids = prompt(6, TOKENS)
+    try:
+        assert cache.store(ids, kv_of(6, TOKENS)) == 6
+        cache.flush()  # on disk before the kill
+        first.signal(signal.SIGSTOP)  # a load is now stuck in the sidecar...
+        result: dict[str, Any] = {}
+
+        def load() -> None:
+            with cache.load(ids) as hit:
+                result["tokens"] = hit.num_tokens
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        first.signal(signal.SIGKILL)  # ...and the sidecar dies under it
+        first.wait()
+        loader.join(30)
+        assert result == {"tokens": 0}  # the engine recomputes; nothing raised
+        assert cache.lookup(ids).num_tokens == 0
+        assert cache.store(ids, kv_of(6, TOKENS)) == 0
+        second = SidecarProcess(tmp_path / "two", settings, listen=first.target).start()
+        try:
+            eventually(lambda: cache.lookup(ids).num_tokens == 6 * 256, "a reconnect")
+            with cache.load(ids) as hit:
+                assert hit.tokens_by_tier() == {"disk": 6 * 256}
+                assert torch.equal(hit.kv(), kv_of(6, TOKENS)[:, :, : 6 * 256])
+        finally:
+            second.stop()
+    finally:
+        cache.close()
+        first.stop()
+
+
+def test_sigterm_drains_writes_and_exits_zero(tmp_path: Path) -> None:
+    settings = {**SETTINGS, "disk": {"path": str(tmp_path / "disk"), "capacity_bytes": "1GiB"}}
+    sidecar = SidecarProcess(tmp_path / "one", settings).start()
+    cache = connect(sidecar.target, stream=False)
+    ids = prompt(7, TOKENS)
+    try:
+        assert cache.store(ids, kv_of(7, TOKENS)) == 6  # queued for disk, not flushed
+        sidecar.signal(signal.SIGTERM)
+        assert sidecar.wait() == 0
+        assert "lmtier sidecar stopped" in sidecar.log()
+        assert not Path(sidecar.socket).exists()
+        assert cache.lookup(ids).num_tokens == 0  # a miss, not an error
+    finally:
+        cache.close()
+    with SidecarProcess(tmp_path / "two", settings) as again:
+        fresh = connect(again.target, stream=False)
+        try:
+            assert fresh.lookup(ids).tokens_by_tier(256) == {"disk": 6 * 256}
+        finally:
+            fresh.close()
+
+
+def test_socket_and_pool_are_owner_only(sidecar: SidecarProcess, observer: LMTier) -> None:
+    assert os.stat(sidecar.socket).st_mode & 0o777 == 0o600
+    assert os.stat(sidecar.socket.parent).st_mode & 0o777 == 0o700
+    pools = [p for p in Path("/dev/shm").glob(f"lmtier-{sidecar.pid}-*.pool")]
+    assert len(pools) == 1 and pools[0].stat().st_mode & 0o777 == 0o600
+    sidecar.stop()
+    assert not pools[0].exists()
