@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from typing import Any
 
 from lmtier.config import LMTierConfig
@@ -22,6 +23,9 @@ def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
         changes["metrics_listen"] = args.metrics_listen
     if changes:
         config = config.replace(sidecar=config.sidecar.replace(**changes))
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # the CLI's plain handler: one line per record
+        root.removeHandler(handler)
     setup_logging(args.log_level, json=not args.plain_logs)
     return asyncio.run(serve(config, args.listen))
 

@@ -29,8 +29,10 @@ def test_every_field_is_documented() -> None:
         lines = proto.read_text().splitlines()
         for number, line in enumerate(lines):
             text = line.strip()
-            is_field = text.endswith(";") and "=" in text and not text.startswith(
-                ("syntax", "package", "option", "//")
+            is_field = (
+                text.endswith(";")
+                and "=" in text
+                and not text.startswith(("syntax", "package", "option", "//"))
             )
             if (is_field or text.startswith("rpc ")) and not _commented(lines, number):
                 undocumented.append(f"{proto.name}:{number + 1}: {text}")
