@@ -4,6 +4,8 @@ one thing through ``LMTier.connect`` and prints one JSON line per step.
     python sidecar_client.py TARGET store PROMPT_SEED N_TOKENS [--stream] [--salt S]
     python sidecar_client.py TARGET load PROMPT_SEED N_TOKENS [--stream] [--salt S]
     python sidecar_client.py TARGET hold PROMPT_SEED N_TOKENS   (load, acquire, then wait)
+    python sidecar_client.py TARGET mix FIRST_SEED N_TOKENS --seconds S [--stream]
+        (lookups, loads and stores of 8 shared prompts for S seconds; every load checked)
 
 Prompts and KV are functions of the seed, so the test process knows what a load must
 return (:func:`prompt`, :func:`kv_of`).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import sys
 import time
 
@@ -58,14 +61,43 @@ def say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def mix(cache: LMTier, first_seed: int, n: int, seconds: float) -> dict[str, int]:
+    """Random lookups, loads and stores of 8 prompts that every mixing process shares,
+    for ``seconds``; a load whose KV differs from what was stored is an error."""
+    seeds = range(first_seed, first_seed + 8)
+    prompts = {seed: prompt(seed, n) for seed in seeds}
+    kvs = {seed: kv_of(seed, n) for seed in seeds}
+    rng = random.Random()
+    counts = {"lookups": 0, "loads": 0, "stores": 0, "loaded_tokens": 0, "errors": 0}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seed = rng.choice(seeds)
+        op = rng.random()
+        if op < 0.4:
+            cache.lookup(prompts[seed])
+            counts["lookups"] += 1
+        elif op < 0.8:
+            with cache.load(prompts[seed]) as hit:
+                got = hit.kv()
+                if got is not None and not torch.equal(got, kvs[seed][:, :, : hit.num_tokens]):
+                    counts["errors"] += 1
+                counts["loaded_tokens"] += hit.num_tokens
+            counts["loads"] += 1
+        else:
+            cache.store(prompts[seed], kvs[seed])
+            counts["stores"] += 1
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("target")
-    parser.add_argument("mode", choices=["store", "load", "hold"])
+    parser.add_argument("mode", choices=["store", "load", "hold", "mix"])
     parser.add_argument("seed", type=int)
     parser.add_argument("tokens", type=int)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--salt", default="")
+    parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     ids = prompt(args.seed, args.tokens)
     cache = connect(args.target, stream=args.stream)
@@ -76,6 +108,8 @@ def main() -> int:
     elif args.mode == "load":
         with cache.load(ids, cache_salt=args.salt) as hit:
             say(tokens=hit.num_tokens, tiers=hit.tokens_by_tier(), sha=digest(hit.kv()))
+    elif args.mode == "mix":
+        say(**mix(cache, args.seed, args.tokens, args.seconds))
     else:
         hit = cache.load(ids, cache_salt=args.salt)
         slabs = cache.acquire_slabs(2)
