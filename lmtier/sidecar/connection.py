@@ -3,9 +3,11 @@ shared pool's mapping, lease releases, and what happens when the sidecar is gone
 
 The rule a client lives by: a sidecar that is down, killed or restarting costs
 misses, never a failed request. Every call has a deadline; a call that fails for
-want of a sidecar marks the connection down for a backoff (50 ms doubling to 5 s)
-during which calls miss at once without trying; the next call after it reconnects,
-opening fresh sessions. Errors that are the caller's (INVALID_ARGUMENT) raise.
+want of a sidecar opens the connection's circuit breaker (the tiers' own,
+:class:`~lmtier.storage.breaker.CircuitBreaker`): calls then miss at once without
+trying, until one call probes (after 50 ms, doubling to 5 s while probes fail) and
+reconnects, opening fresh sessions. Errors that are the caller's (INVALID_ARGUMENT)
+raise.
 
 Sessions: one ``OpenSession`` stream per namespace (model, geometry, rank, salt),
 opened on first use and watched by a daemon thread; when the stream ends (the
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from lmtier.config import Secret
 from lmtier.errors import InvalidRequestError
 from lmtier.sidecar.namespaces import to_wire
 from lmtier.sidecar.shm import SharedRegion
+from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
@@ -116,8 +118,9 @@ class Connection:
         self._lock = threading.Lock()
         self._sessions: dict[bytes, ClientSession] = {}
         self._regions: dict[str, tuple[SharedRegion, HostPool]] = {}
-        self._down_until = 0.0
-        self._backoff = BACKOFF_FIRST_S
+        self._breaker = CircuitBreaker(
+            failure_threshold=1, reset_after_s=BACKOFF_FIRST_S, max_reset_after_s=BACKOFF_MAX_S
+        )
         self._closed = False
         self._wake = threading.Condition(self._lock)
         self._pending: set[ClientSession] = set()
@@ -142,10 +145,11 @@ class Connection:
         details = exc.details() if hasattr(exc, "details") else ""
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidRequestError(f"sidecar: {details}")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return SidecarUnavailable(details)  # busy, not down: no backoff
-        if code == grpc.StatusCode.NOT_FOUND:
-            self._drop_sessions()  # the sidecar forgot them: reopen on the next call
+        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+            with self._lock:
+                self._breaker.record_success()  # busy or forgetful, but up: no backoff
+            if code == grpc.StatusCode.NOT_FOUND:
+                self._drop_sessions()  # it forgot our sessions: reopen on the next call
             return SidecarUnavailable(details)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             logger.error("sidecar %s refused this client: %s", self.target, details)
@@ -156,16 +160,11 @@ class Connection:
 
     def _mark_down(self, why: str) -> None:
         with self._lock:
-            now = time.monotonic()
-            if self._down_until <= now:
+            if self._breaker.state is BreakerState.CLOSED:
                 logger.warning(
-                    "sidecar %s unreachable (%s): misses for %.2f s, then reconnecting",
-                    self.target,
-                    why,
-                    self._backoff,
+                    "sidecar %s unreachable (%s): misses until it is back", self.target, why
                 )
-                self._down_until = now + self._backoff
-                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+            self._breaker.record_failure()
             sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             self._end(session)
@@ -181,9 +180,14 @@ class Connection:
             found = self._sessions.get(namespace.digest)
             if found is not None and found.alive:
                 return found
-            if time.monotonic() < self._down_until:
-                raise SidecarUnavailable("the sidecar is down; retrying after a backoff")
-        session = self._open(namespace)
+            if not self._breaker.allow():
+                raise SidecarUnavailable("the sidecar is down; a probe reconnects later")
+        try:
+            session = self._open(namespace)
+        except InvalidRequestError:
+            with self._lock:
+                self._breaker.record_success()  # it answered: this namespace is the problem
+            raise
         with self._lock:
             current = self._sessions.get(namespace.digest)
             if current is not None and current.alive:  # another thread won the race
@@ -191,7 +195,7 @@ class Connection:
                 session = current
             else:
                 self._sessions[namespace.digest] = session
-                self._backoff = BACKOFF_FIRST_S
+                self._breaker.record_success()
                 loser = None
         if loser is not None:
             self._end(loser)
