@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +30,8 @@ START_TIMEOUT_S = 60.0
 
 class SidecarProcess:
     """One sidecar process (module docstring). ``settings`` is the config as a dict
-    (the ``sidecar.listen`` key is set here); ``env`` adds environment variables."""
+    (the ``sidecar.listen`` key is set here); ``env`` adds environment variables;
+    ``args`` are more ``lmtier serve`` options (e.g. ``["--log-level", "DEBUG"]``)."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class SidecarProcess:
         listen: str | None = None,
         env: dict[str, str] | None = None,
         name: str = "sidecar",
+        args: Sequence[str] = (),
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -50,6 +53,7 @@ class SidecarProcess:
         self.config_path.write_text(yaml.safe_dump(settings))
         self.log_path = self.directory / f"{name}.log"
         self._env = {**os.environ, **(env or {})}
+        self._args = list(args)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -69,6 +73,7 @@ class SidecarProcess:
             "serve",
             "--listen",
             self.target,
+            *self._args,
         ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(  # noqa: S603 - our own CLI

@@ -1,0 +1,499 @@
+"""Who may talk to a real ``lmtier serve`` process, and over what.
+
+* Tokens: a sidecar with ``sidecar.auth_token`` and a ``tokens_file`` of two tenants
+  (run at ``--log-level DEBUG``) refuses calls without the right bearer token
+  (UNAUTHENTICATED), keeps each token's sessions to it (NOT_FOUND for another's),
+  keeps a tenant to its models and salts (PERMISSION_DENIED), keeps tenants' chunks
+  apart, and never writes a token to its log.
+* Listeners: a TCP port 0 listener says which port it bound; a listener other
+  machines can reach needs ``allow_remote`` and a token, or the process exits with a
+  one-line message; with TLS, raw stubs and ``LMTier.connect`` work over TCP (streamed,
+  bit-exact).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import yaml
+from sidecar_helpers import (
+    CALL_TIMEOUT_S,
+    Metadata,
+    Session,
+    TcpSidecar,
+    assert_unharmed,
+    bearer,
+    chunk_for,
+    expect_code,
+    gauges,
+    health_status,
+    make_self_signed,
+    namespace,
+    open_session,
+    pieces,
+    store_stream,
+    wait_for,
+)
+
+from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.sidecar.auth import channel_credentials
+from lmtier.testing.sidecar import SidecarProcess
+from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+
+Code = grpc.StatusCode
+ADMIN = "admin-" + secrets.token_hex(16)
+TENANT_A = "tenant-a-" + secrets.token_hex(16)
+TENANT_B = "tenant-b-" + secrets.token_hex(16)
+REPLICA_1 = "replica-1-" + secrets.token_hex(16)
+REPLICA_2 = "replica-2-" + secrets.token_hex(16)
+WRONG = "wrong-" + secrets.token_hex(16)
+"""Tokens are random per run, so that finding one in a log is never a coincidence."""
+MODEL = "shared/model"
+HUGE = {"num_layers": 1 << 20, "num_kv_heads": 1 << 20, "head_dim": 1 << 20}
+SMALL = {
+    "cpu": {"capacity_bytes": "64KiB", "staging_bytes": "32KiB"},
+    "sidecar": {"slab_bytes": "16KiB"},
+}
+
+
+def settings(**sidecar: Any) -> dict[str, Any]:
+    return {"cpu": dict(SMALL["cpu"]), "sidecar": {**SMALL["sidecar"], **sidecar}}
+
+
+# --- a sidecar with tokens -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    folder = tmp_path_factory.mktemp("secured")
+    tokens = folder / "tokens.yaml"
+    tokens.write_text(
+        yaml.safe_dump(
+            [
+                {"token": TENANT_A, "name": "tenant-a", "models": [MODEL], "salts": ["salt-a"]},
+                {"token": TENANT_B, "name": "tenant-b", "models": [MODEL], "salts": ["salt-b"]},
+                # Two tokens of one service (same name, same scope), e.g. two replicas.
+                {"token": REPLICA_1, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
+                {"token": REPLICA_2, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
+            ]
+        )
+    )
+    tokens.chmod(0o600)
+    config = settings(auth_token=ADMIN, tokens_file=str(tokens))
+    with SidecarProcess(folder, config, args=["--log-level", "DEBUG"]) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def stub(secured: SidecarProcess) -> Iterator[pb_grpc.SidecarStub]:
+    with grpc.insecure_channel(secured.target) as channel:
+        yield pb_grpc.SidecarStub(channel)
+
+
+@pytest.fixture(scope="module")
+def admin(stub: pb_grpc.SidecarStub) -> Iterator[Session]:
+    with open_session(stub, metadata=bearer(ADMIN), client_name="admin") as session:
+        yield session
+
+
+def tenant(stub: pb_grpc.SidecarStub, token: str, salt: str, **kw: Any) -> Session:
+    space = namespace(model_id=MODEL, cache_salt=salt)
+    return open_session(stub, space, metadata=bearer(token), **kw)
+
+
+BAD_METADATA: dict[str, Metadata] = {
+    "none": (),
+    "wrong-token": bearer(WRONG),
+    "token-prefix": bearer(ADMIN[:-1]),
+    "token-longer": bearer(ADMIN + "x"),
+    "basic-scheme": (("authorization", f"Basic {ADMIN}"),),
+    "no-scheme": (("authorization", ADMIN),),
+    "bearer-only": (("authorization", "Bearer"),),
+    "two-entries": (*bearer(WRONG), *bearer(ADMIN)),
+    "other-header": (("x-api-key", ADMIN),),
+}
+
+
+def _calls(stub: pb_grpc.SidecarStub, session_id: bytes) -> dict[str, Any]:
+    """Each method, as ``call(metadata)``, on ``session_id``."""
+    key = bytes(32)
+    return {
+        "OpenSession": lambda md: next(
+            stub.OpenSession(
+                pb.OpenSessionRequest(namespace=namespace()), metadata=md, timeout=CALL_TIMEOUT_S
+            )
+        ),
+        "Lookup": lambda md: stub.Lookup(
+            pb.LookupRequest(session_id=session_id, keys=key), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+        "Load": lambda md: stub.Load(
+            pb.LoadRequest(session_id=session_id, keys=key), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+        "LoadStream": lambda md: list(
+            stub.LoadStream(
+                pb.LoadRequest(session_id=session_id, keys=key),
+                metadata=md,
+                timeout=CALL_TIMEOUT_S,
+            )
+        ),
+        "AcquireSlabs": lambda md: stub.AcquireSlabs(
+            pb.AcquireSlabsRequest(session_id=session_id, count=1),
+            metadata=md,
+            timeout=CALL_TIMEOUT_S,
+        ),
+        "Commit": lambda md: stub.Commit(
+            pb.CommitRequest(session_id=session_id), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+        "StoreStream": lambda md: stub.StoreStream(
+            iter([pb.ChunkPiece(session_id=session_id)]), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+        "Release": lambda md: stub.Release(
+            pb.ReleaseRequest(session_id=session_id, leases=[1]),
+            metadata=md,
+            timeout=CALL_TIMEOUT_S,
+        ),
+        "Flush": lambda md: stub.Flush(
+            pb.FlushRequest(session_id=session_id), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+        "Stats": lambda md: stub.Stats(
+            pb.StatsRequest(session_id=session_id), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+        "Purge": lambda md: stub.Purge(
+            pb.PurgeRequest(session_id=session_id), metadata=md, timeout=CALL_TIMEOUT_S
+        ),
+    }
+
+
+METHODS = [
+    "OpenSession",
+    "Lookup",
+    "Load",
+    "LoadStream",
+    "AcquireSlabs",
+    "Commit",
+    "StoreStream",
+    "Release",
+    "Flush",
+    "Stats",
+    "Purge",
+]
+
+
+@pytest.mark.parametrize("metadata", list(BAD_METADATA.values()), ids=list(BAD_METADATA))
+@pytest.mark.parametrize("method", METHODS)
+def test_calls_without_the_right_token_are_unauthenticated(
+    stub: pb_grpc.SidecarStub, admin: Session, method: str, metadata: Metadata
+) -> None:
+    details = expect_code(Code.UNAUTHENTICATED, _calls(stub, admin.id)[method], metadata)
+    for token in (ADMIN, WRONG):
+        assert token[-12:] not in details
+
+
+def test_the_right_tokens_are_accepted(secured: SidecarProcess, stub: pb_grpc.SidecarStub) -> None:
+    for metadata in (bearer(ADMIN), (("authorization", f"bearer   {ADMIN} "),)):
+        assert_unharmed(secured, metadata=metadata)
+    with tenant(stub, TENANT_A, "salt-a") as a, tenant(stub, TENANT_B, "salt-b") as b:
+        assert gauges(stub, a)["sessions"] >= 2
+        assert gauges(stub, b)["sessions"] >= 2
+    # The health service answers without a token (probes have none); it says no more
+    # than SERVING.
+    assert health_status(secured.target) == 1
+
+
+@pytest.mark.parametrize("method", METHODS[1:])
+def test_a_session_of_another_token_is_not_found(
+    stub: pb_grpc.SidecarStub, admin: Session, method: str
+) -> None:
+    with tenant(stub, TENANT_A, "salt-a") as a:
+        calls = _calls(stub, admin.id)
+        expect_code(Code.NOT_FOUND, calls[method], bearer(TENANT_A))
+        expect_code(Code.NOT_FOUND, _calls(stub, a.id)[method], bearer(TENANT_B))
+        expect_code(Code.NOT_FOUND, _calls(stub, a.id)[method], bearer(ADMIN))
+
+
+def test_tokens_with_one_name_and_scope_do_not_share_sessions(
+    stub: pb_grpc.SidecarStub,
+) -> None:
+    """A session belongs to the token that opened it, not to a name that two
+    tokens_file entries happen to share."""
+    with tenant(stub, REPLICA_1, "salt-c") as first:
+        for method in ("Stats", "AcquireSlabs", "Release", "Purge"):
+            expect_code(Code.NOT_FOUND, _calls(stub, first.id)[method], bearer(REPLICA_2))
+
+
+def test_another_token_cannot_end_a_sessions_leases(
+    stub: pb_grpc.SidecarStub, admin: Session
+) -> None:
+    with tenant(stub, TENANT_A, "salt-a") as a:
+        grants = stub.AcquireSlabs(
+            pb.AcquireSlabsRequest(session_id=a.id, count=2),
+            metadata=a.metadata,
+            timeout=CALL_TIMEOUT_S,
+        ).slabs
+        assert len(grants) == 2
+        leases = [g.lease for g in grants]
+        for token in (TENANT_B, ADMIN):
+            expect_code(
+                Code.NOT_FOUND,
+                stub.Release,
+                pb.ReleaseRequest(session_id=a.id, leases=leases),
+                metadata=bearer(token),
+            )
+        assert gauges(stub, a)["leases"] == 2
+        stub.Release(
+            pb.ReleaseRequest(session_id=a.id, leases=leases),
+            metadata=a.metadata,
+            timeout=CALL_TIMEOUT_S,
+        )
+        assert gauges(stub, a)["leases"] == 0
+
+
+SCOPES = {
+    "other-tenants-salt": (TENANT_A, MODEL, "salt-b"),
+    "no-salt": (TENANT_A, MODEL, ""),
+    "other-model": (TENANT_A, "other/model", "salt-a"),
+    "b-with-as-salt": (TENANT_B, MODEL, "salt-a"),
+}
+
+
+@pytest.mark.parametrize(("token", "model", "salt"), list(SCOPES.values()), ids=list(SCOPES))
+def test_scoped_tokens_cannot_open_other_namespaces(
+    secured: SidecarProcess, stub: pb_grpc.SidecarStub, token: str, model: str, salt: str
+) -> None:
+    call = stub.OpenSession(
+        pb.OpenSessionRequest(namespace=namespace(model_id=model, cache_salt=salt)),
+        metadata=bearer(token),
+        timeout=CALL_TIMEOUT_S,
+    )
+    details = expect_code(Code.PERMISSION_DENIED, lambda: next(call))
+    assert token[-12:] not in details
+    own = "salt-a" if token == TENANT_A else "salt-b"
+    assert_unharmed(
+        secured, metadata=bearer(token), space=namespace(model_id=MODEL, cache_salt=own)
+    )
+
+
+def test_tenants_cannot_reach_each_others_chunks(
+    secured: SidecarProcess, stub: pb_grpc.SidecarStub
+) -> None:
+    tokens = pb.TokenIds(ids=list(range(1000, 1048)))  # three chunks of 16
+    with (
+        tenant(stub, TENANT_B, "salt-b", shared_memory=False) as b,
+        tenant(stub, TENANT_A, "salt-a") as a,
+    ):
+        keys_b = stub.Lookup(
+            pb.LookupRequest(session_id=b.id, tokens=tokens), metadata=b.metadata
+        ).keys
+        chunks = [(keys_b[i : i + 32], chunk_for(keys_b[i : i + 32], seed=i)) for i in (0, 32, 64)]
+        assert store_stream(stub, b, chunks).stored == 3
+        reply = stub.Lookup(pb.LookupRequest(session_id=b.id, keys=keys_b), metadata=b.metadata)
+        assert reply.num_chunks == 3
+
+        # The same prompt under A's salt is other keys, none cached.
+        reply = stub.Lookup(pb.LookupRequest(session_id=a.id, tokens=tokens), metadata=a.metadata)
+        assert reply.num_chunks == 0
+        assert reply.keys != keys_b
+        # B's keys through A's session: refused, whichever call carries them.
+        for call, request in [
+            (stub.Lookup, pb.LookupRequest(session_id=a.id, keys=keys_b)),
+            (stub.Load, pb.LoadRequest(session_id=a.id, keys=keys_b)),
+            (stub.LoadStream, pb.LoadRequest(session_id=a.id, keys=keys_b)),
+        ]:
+            expect_code(Code.PERMISSION_DENIED, call, request, metadata=a.metadata)
+        # Nor can A overwrite or plant chunks under B's keys.
+        planted = [(keys_b[:32], chunk_for(keys_b[:32], seed=99))]
+        expect_code(
+            Code.PERMISSION_DENIED,
+            stub.StoreStream,
+            pieces(a.id, planted),
+            metadata=a.metadata,
+        )
+        (grant,) = stub.AcquireSlabs(
+            pb.AcquireSlabsRequest(session_id=a.id, count=1), metadata=a.metadata
+        ).slabs
+        commit = pb.CommittedSlab(lease=grant.lease, key=keys_b[:32], length=len(planted[0][1]))
+        expect_code(
+            Code.PERMISSION_DENIED,
+            stub.Commit,
+            pb.CommitRequest(session_id=a.id, chunks=[commit]),
+            metadata=a.metadata,
+        )
+        # A's purge is of A's namespace only.
+        stub.Purge(pb.PurgeRequest(session_id=a.id), metadata=a.metadata)
+        # B still reads its own chunks, bit-exact.
+        streamed = list(
+            stub.LoadStream(pb.LoadRequest(session_id=b.id, keys=keys_b), metadata=b.metadata)
+        )
+        assert b"".join(p.data for p in streamed) == b"".join(data for _, data in chunks)
+        assert gauges(stub, a)["leases"] == 0
+    assert_unharmed(secured, metadata=bearer(ADMIN))
+
+
+def test_tokens_never_reach_the_log(secured: SidecarProcess, stub: pb_grpc.SidecarStub) -> None:
+    """At DEBUG, after successful calls, refused calls (wrong and malformed tokens,
+    bad namespaces) and a failure inside the sidecar, the log holds none of the tokens."""
+    with tenant(stub, TENANT_A, "salt-a") as a:
+        stub.Lookup(pb.LookupRequest(session_id=a.id, keys=a.key()), metadata=a.metadata)
+    for metadata in BAD_METADATA.values():
+        with pytest.raises(grpc.RpcError):
+            stub.Stats(pb.StatsRequest(session_id=b"x"), metadata=metadata, timeout=CALL_TIMEOUT_S)
+    refused = [
+        (ADMIN, namespace(model_id="")),  # INVALID_ARGUMENT
+        (TENANT_B, namespace(model_id=MODEL, cache_salt="salt-a")),  # PERMISSION_DENIED
+        # KV so large that sizing its chunk fails inside the sidecar (an INTERNAL error
+        # and a logged traceback, until the sidecar refuses it as INVALID_ARGUMENT).
+        (TENANT_A, namespace(model_id=MODEL, cache_salt="salt-a", **HUGE)),
+    ]
+    for token, space in refused:
+        call = stub.OpenSession(
+            pb.OpenSessionRequest(namespace=space), metadata=bearer(token), timeout=CALL_TIMEOUT_S
+        )
+        with pytest.raises(grpc.RpcError):
+            next(call)
+    # A marker logged after all of that: once it is in the file, so is all the above.
+    marker = "log-marker-" + secrets.token_hex(8)
+    with open_session(stub, metadata=bearer(ADMIN), client_name=marker):
+        pass
+    log = wait_for(lambda: marker in secured.log() and secured.log(), "the marker in the log")
+    assert '"level": "DEBUG"' in log, "the sidecar did not log at DEBUG"
+    for token in (ADMIN, TENANT_A, TENANT_B, REPLICA_1, REPLICA_2, WRONG):
+        assert token not in log
+        assert token[-12:] not in log
+
+
+# --- listeners -------------------------------------------------------------------------
+
+
+def test_a_tcp_port_zero_listener_reports_the_port_it_bound(tmp_path: Path) -> None:
+    with TcpSidecar(tmp_path, settings(), listen="127.0.0.1:0") as sidecar:
+        assert sidecar.port is not None and sidecar.port > 0
+        assert f"listening on 127.0.0.1:{sidecar.port}" in sidecar.log()
+        assert_unharmed(sidecar)
+        with grpc.insecure_channel(sidecar.target) as channel:
+            stub = pb_grpc.SidecarStub(channel)
+            with open_session(stub, shared_memory=True) as session:
+                assert not session.info.HasField("shm")  # shared memory: unix sockets only
+                expect_code(
+                    Code.FAILED_PRECONDITION,
+                    stub.AcquireSlabs,
+                    pb.AcquireSlabsRequest(session_id=session.id, count=1),
+                )
+        assert sidecar.stop() == 0
+
+
+REMOTE_REFUSED = {
+    "no-allow-remote": ({"auth_token": ADMIN}, "allow_remote"),
+    "no-token": ({"allow_remote": True}, "token"),
+    "neither": ({}, "allow_remote"),
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"), list(REMOTE_REFUSED.values()), ids=list(REMOTE_REFUSED)
+)
+def test_a_remote_listener_needs_allow_remote_and_a_token(
+    tmp_path: Path, extra: dict[str, Any], words: str
+) -> None:
+    sidecar = SidecarProcess(tmp_path, settings(**extra), listen="0.0.0.0:0")
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            sidecar.start()
+    finally:
+        sidecar.stop()
+    assert sidecar.process is not None
+    assert sidecar.process.returncode not in (0, None)
+    log = sidecar.log()
+    assert "can be reached from other machines" in log
+    assert words in log
+    assert "Traceback" not in log
+    assert ADMIN not in log
+
+
+@pytest.fixture(scope="module")
+def pem(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_self_signed(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def remote(
+    tmp_path_factory: pytest.TempPathFactory, pem: tuple[Path, Path]
+) -> Iterator[TcpSidecar]:
+    cert, key = pem
+    config = settings(
+        allow_remote=True,
+        auth_token=ADMIN,
+        tls_cert_file=str(cert),
+        tls_key_file=str(key),
+        slab_bytes="64KiB",
+    )
+    config["cpu"] = {"capacity_bytes": "1MiB", "staging_bytes": "256KiB"}
+    credentials = channel_credentials(cert)
+    folder = tmp_path_factory.mktemp("remote")
+    with TcpSidecar(folder, config, listen="0.0.0.0:0", credentials=credentials) as sidecar:
+        yield sidecar
+
+
+def test_tls_and_a_token_over_a_remote_listener(remote: TcpSidecar, pem: tuple[Path, Path]) -> None:
+    credentials = channel_credentials(pem[0])
+    assert "without TLS" not in remote.log()
+    with grpc.secure_channel(remote.target, credentials) as channel:
+        stub = pb_grpc.SidecarStub(channel)
+        expect_code(Code.UNAUTHENTICATED, _calls(stub, b"")["OpenSession"], ())
+        with open_session(stub, metadata=bearer(ADMIN)) as session:
+            assert not session.info.HasField("shm")
+            key = session.key()
+            data = chunk_for(key, seed=5)
+            assert store_stream(stub, session, [(key, data)]).stored == 1
+            streamed = list(
+                stub.LoadStream(
+                    pb.LoadRequest(session_id=session.id, keys=key),
+                    metadata=session.metadata,
+                    timeout=CALL_TIMEOUT_S,
+                )
+            )
+            assert b"".join(p.data for p in streamed) == data
+    # A client that does not speak TLS gets no further than the handshake.
+    with grpc.insecure_channel(remote.target) as plain:
+        stub = pb_grpc.SidecarStub(plain)
+        expect_code(Code.UNAVAILABLE, _calls(stub, b"")["OpenSession"], bearer(ADMIN))
+    assert_unharmed(remote, metadata=bearer(ADMIN), credentials=credentials)
+
+
+def test_lmtier_connect_over_tls_streams_bit_exact(
+    remote: TcpSidecar, pem: tuple[Path, Path]
+) -> None:
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16)
+    config = LMTierConfig(chunk_size=16)
+    tokens = list(range(5000, 5000 + 16 * 4 + 5))  # four full chunks and a tail
+    kv = torch.randn(spec.shape(len(tokens)), generator=torch.Generator().manual_seed(7))
+    cache = LMTier.connect(
+        remote.target,
+        config,
+        kv=spec,
+        model_id="tls/model",
+        credentials=channel_credentials(pem[0]),
+        token=ADMIN,
+    )
+    try:
+        assert cache.store(tokens, kv) == 4
+        cache.flush()
+        assert cache.lookup(tokens).num_tokens == 64
+        with cache.load(tokens) as loaded:
+            assert loaded.num_tokens == 64
+            out = loaded.kv()
+            assert out is not None
+            assert torch.equal(out, kv.narrow(spec.token_axis, 0, 64))
+    finally:
+        cache.close()
+    # The client streamed: the sidecar offers no shared memory over TCP.
+    assert "streaming" in remote.log()
+    assert ADMIN not in remote.log()
