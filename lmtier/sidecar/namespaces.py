@@ -29,6 +29,8 @@ MAX_NAMESPACES = 65536
 (their chunks then miss until a session describes them again)."""
 MAX_KEYS = 1 << 16
 """Keys in one call: 16M tokens at 256 per chunk."""
+MAX_CHUNK_PAYLOAD = 1 << 34
+"""The largest chunk payload a namespace may describe (16 GiB); slabs are far smaller."""
 _MAX_DIM = 1 << 20
 
 
@@ -80,6 +82,11 @@ class SessionSpace:
             )
         except ValueError as exc:
             raise InvalidRequestError(f"namespace: {exc}") from None
+        payload = spec.bytes_per_token * message.chunk_size
+        if payload > MAX_CHUNK_PAYLOAD:
+            raise InvalidRequestError(
+                f"namespace: a chunk would hold {payload} bytes of KV; at most {MAX_CHUNK_PAYLOAD}"
+            )
         namespace = Namespace(
             model_id=message.model_id,
             model_revision=message.model_revision,
@@ -134,21 +141,35 @@ def parse_keys(data: bytes, digest: bytes) -> list[ChunkKey]:
 
 class NamespaceCheck(ChunkCheck):
     """:class:`ChunkCheck` for many namespaces: a chunk must have the geometry of the
-    namespace its key names (see the module docstring)."""
+    namespace its key names (see the module docstring). Namespaces with a session open
+    are always known; of the others, the last ``MAX_NAMESPACES`` are remembered."""
 
-    __slots__ = ("_geometries",)
+    __slots__ = ("_geometries", "_live")
 
     def __init__(self, mac: ChunkMac | None = None) -> None:
         super().__init__(None, mac)
         self._geometries: dict[bytes, ChunkGeometry] = {}
+        self._live: dict[bytes, int] = {}
 
     def register(self, space: SessionSpace) -> None:
-        """Remember ``space``'s geometry (sessions call it when they open)."""
+        """A session opened on ``space``: know its geometry while it is open (and
+        after, while there is room)."""
         geometries = self._geometries
         geometries.pop(space.digest, None)
         geometries[space.digest] = space.geometry
-        while len(geometries) > MAX_NAMESPACES:
-            del geometries[next(iter(geometries))]
+        self._live[space.digest] = self._live.get(space.digest, 0) + 1
+        if len(geometries) > MAX_NAMESPACES:
+            idle = [d for d in geometries if d not in self._live]
+            for digest in idle[: len(geometries) - MAX_NAMESPACES]:
+                del geometries[digest]
+
+    def unregister(self, space: SessionSpace) -> None:
+        """A session on ``space`` closed."""
+        left = self._live.get(space.digest, 0) - 1
+        if left > 0:
+            self._live[space.digest] = left
+        else:
+            self._live.pop(space.digest, None)
 
     def fits(self, chunk: DecodedChunk) -> bool:
         geometry = self._geometries.get(chunk.meta.namespace)

@@ -28,7 +28,13 @@ from lmtier.config import LMTierConfig
 from lmtier.errors import CapacityError, CorruptChunk, InvalidRequestError
 from lmtier.sidecar.auth import Authenticator, Principal
 from lmtier.sidecar.metrics import SidecarMetrics
-from lmtier.sidecar.namespaces import DIGEST_BYTES, NamespaceCheck, SessionSpace, parse_keys
+from lmtier.sidecar.namespaces import (
+    DIGEST_BYTES,
+    MAX_KEYS,
+    NamespaceCheck,
+    SessionSpace,
+    parse_keys,
+)
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import Draining, NotOffered, status_of
@@ -154,6 +160,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 yield pb.SessionEvent(draining="the sidecar is draining")
         finally:
             released = self.parts.sessions.close(session)
+            self.parts.check.unregister(space)
             logger.info(
                 "session closed: %s, %d lease(s) released", request.client_name or "?", released
             )
@@ -187,6 +194,10 @@ class SidecarService(pb_grpc.SidecarServicer):
         """The keys a Lookup or Load names (hashed from tokens, or given)."""
         space = session.space
         if request.WhichOneof("query") == "tokens":
+            if len(request.tokens.ids) > MAX_KEYS * space.chunk_size:
+                raise InvalidRequestError(
+                    f"at most {MAX_KEYS} chunks ({MAX_KEYS * space.chunk_size} tokens) per call"
+                )
             ids = np.fromiter(request.tokens.ids, dtype=np.uint32, count=len(request.tokens.ids))
             hasher = make_hasher(space.namespace, algorithm=self.parts.config.hash_algorithm)
             keys = hasher.extend(ids)

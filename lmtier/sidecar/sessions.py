@@ -82,7 +82,9 @@ class Sessions:
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
         self._sessions: dict[bytes, Session] = {}
-        self._spaces: dict[tuple[Principal, bytes], list[Session]] = {}
+        # By the principal's identity: each configured token is one Principal object,
+        # and two tokens with equal names and scopes are still two callers.
+        self._spaces: dict[tuple[int, bytes], list[Session]] = {}
         self.expired = 0
         """Leases reclaimed at their deadline since start."""
 
@@ -111,23 +113,24 @@ class Sessions:
             secrets.token_bytes(SESSION_ID_BYTES), space, principal, shared_memory, client_name
         )
         self._sessions[session.id] = session
-        self._spaces.setdefault((principal, space.digest), []).append(session)
+        self._spaces.setdefault((id(principal), space.digest), []).append(session)
         return session
 
     def space_for(self, principal: Principal, digest: bytes) -> SessionSpace | None:
         """The namespace ``digest`` if ``principal`` has a session open on it (it may
         then commit chunks of it through any of its sessions); None otherwise."""
-        found = self._spaces.get((principal, digest))
+        found = self._spaces.get((id(principal), digest))
         return found[0].space if found else None
 
     def get(self, session_id: bytes, principal: Principal) -> Session:
-        """The open session ``session_id``, if ``principal`` opened it.
+        """The open session ``session_id``, if ``principal`` (the same token: principals
+        are compared by identity) opened it.
 
         SessionNotFound otherwise (the same answer whether the id is unknown or another
         principal's, so ids cannot be probed).
         """
         session = self._sessions.get(session_id)
-        if session is None or session.closed or session.principal != principal:
+        if session is None or session.closed or session.principal is not principal:
             raise SessionNotFound("no such session (closed, expired or never opened): reopen")
         return session
 
@@ -135,7 +138,7 @@ class Sessions:
         """End ``session`` and every lease it holds; how many leases. Idempotent."""
         session.ended.set()
         if self._sessions.pop(session.id, None) is not None:
-            key = (session.principal, session.space.digest)
+            key = (id(session.principal), session.space.digest)
             peers = self._spaces[key]
             peers.remove(session)
             if not peers:

@@ -7,6 +7,7 @@ import logging
 import secrets
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from lmtier.errors import (
     AuthenticationError,
@@ -40,6 +41,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CacheClosedError, grpc.StatusCode.UNAVAILABLE),
     (NotOffered, grpc.StatusCode.FAILED_PRECONDITION),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT),  # a client stream's unparsable message
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
