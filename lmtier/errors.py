@@ -27,6 +27,8 @@ configuration and bugs.
     ├── BackendError                a storage tier failed; the StorageManager turns it into a miss
     │   ├── BackendUnavailable      connection refused, server down, circuit breaker open
     │   └── BackendTimeout          the call did not finish within its timeout
+    ├── NotSupportedError           an operation a component cannot do (a purge on a tier
+    │                               that cannot list its chunks); NotImplementedError too
     ├── CapacityError               an item larger than a pool or tier could ever hold
     ├── HandleError                 misuse of a pooled buffer (double release, use after release)
     └── AuthenticationError         a sidecar call without a valid bearer token
@@ -63,6 +65,7 @@ __all__ = [
     "InvalidRequestError",
     "InvalidTokensError",
     "LMTierError",
+    "NotSupportedError",
     "TruncatedChunk",
     "UnauthenticChunk",
     "UnsupportedVersion",
@@ -159,6 +162,12 @@ class BackendUnavailable(BackendError):
 
 class BackendTimeout(BackendError):
     """The tier did not answer within its timeout."""
+
+
+class NotSupportedError(LMTierError, NotImplementedError):
+    """An operation this component cannot do at all, as opposed to one that failed: a
+    tier that cannot list its chunks asked to purge a namespace. Nothing was changed;
+    asking again will not help."""
 
 
 class CapacityError(LMTierError):

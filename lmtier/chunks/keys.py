@@ -44,7 +44,7 @@ import xxhash
 
 from lmtier.chunks.format import FORMAT_VERSION
 from lmtier.chunks.tokens import INT32_LIMIT, TokenArray, TokenInput, as_token_array
-from lmtier.errors import ConfigError, brief
+from lmtier.errors import ConfigError, InvalidRequestError, brief
 
 __all__ = [
     "BLOCK_SIZE",
@@ -58,6 +58,7 @@ __all__ = [
     "MultimodalSpan",
     "Namespace",
     "Xxh3ChunkHasher",
+    "check_namespace",
     "split_key",
 ]
 
@@ -72,6 +73,23 @@ NAMESPACE_BYTES = 16
 def split_key(key: ChunkKey) -> tuple[bytes, bytes]:
     """``(namespace digest, chained hash)`` of a chunk key."""
     return key[:NAMESPACE_BYTES], key[NAMESPACE_BYTES:]
+
+
+def check_namespace(namespace: object) -> bytes:
+    """``namespace`` as the 16-byte digest that starts every key of its chunks (bytes,
+    bytearray or memoryview); InvalidRequestError for anything else.
+
+    Whatever selects chunks by namespace (a purge) checks it first: a shorter prefix
+    would select the chunks of every namespace that starts with it.
+    """
+    if isinstance(namespace, (bytearray, memoryview)):
+        namespace = bytes(namespace)
+    if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
+        raise InvalidRequestError(
+            f"namespace must be the {NAMESPACE_BYTES}-byte digest of a Namespace "
+            f"(Namespace.digest), got {brief(namespace)}"
+        )
+    return namespace
 
 
 HashAlgorithm = Literal["xxh3", "vllm"]

@@ -10,6 +10,7 @@ and the StorageManager that walks them.
   progress, a circuit breaker, batches sized to the tier's speed, slabs held while I/O
   may touch them).
 * :mod:`~lmtier.storage.check`: what a served chunk must be.
+* :mod:`~lmtier.storage.purging`: purging a namespace, and keeping it purged.
 * :mod:`~lmtier.storage.memory`, :mod:`~lmtier.storage.cpu_tier`: the host pool and the
   CPU tier over it.
 * :mod:`~lmtier.storage.plugins`, :mod:`~lmtier.storage.reopening_tier`: opening the

@@ -230,5 +230,17 @@ class CPUTier(Tier):
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         return self.discard(keys)
 
+    def discard_namespace(self, namespace: bytes) -> list[ChunkKey]:
+        """Drop every cached chunk whose key starts with ``namespace`` now (synchronous
+        purge, one pass over the index); their keys. As with :meth:`discard`, only the
+        tier's lease goes: a slab a reader or a pending write still holds returns to the
+        pool when they let go, so nobody's bytes change under them."""
+        keys = [key for key in self._entries if key.startswith(namespace)]
+        self.discard(keys)
+        return keys
+
+    async def _purge(self, namespace: bytes) -> int:
+        return len(self.discard_namespace(namespace))
+
     async def close(self) -> None:
         self.discard(list(self._entries))

@@ -77,14 +77,16 @@ class TierGuard:
         *,
         num_bytes: int = 0,
         num_keys: int = 0,
+        deadline_s: float | None = None,
     ) -> tuple[T | None, bool]:
         """Run ``call()``: ``(result, timed_out)``, the result None for "count it a miss".
 
         ``num_bytes`` (the most the call may move) and ``num_keys`` (keys a lookup asks
         about) extend its deadline as the tier's budget says; with neither, the call
-        gets ``budget.timeout_s``. ``on_settled`` runs once the call is really over: at
-        once if it is never made (breaker open), else when its task finishes (module
-        docstring).
+        gets ``budget.timeout_s``. A call whose work is not known in advance (a purge)
+        names its own ``deadline_s`` instead; a stall of the tier's I/O still ends it.
+        ``on_settled`` runs once the call is really over: at once if it is never made
+        (breaker open), else when its task finishes (module docstring).
         """
         tier, breaker = self.tier, self.breaker
         if not breaker.allow():
@@ -96,9 +98,9 @@ class TierGuard:
         if on_settled is not None:
             task.add_done_callback(lambda _: on_settled())
         try:
-            late = await self._wait(
-                task, self.budget.seconds(num_bytes=num_bytes, num_keys=num_keys)
-            )
+            if deadline_s is None:
+                deadline_s = self.budget.seconds(num_bytes=num_bytes, num_keys=num_keys)
+            late = await self._wait(task, deadline_s)
         except asyncio.CancelledError:
             self._abandon(task)
             raise

@@ -18,7 +18,11 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
   inference never waits on storage.
 * **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
   every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
-  be in a lower tier); an engine integration uses it to announce removals.
+  be in a lower tier), and of every chunk a purge drops from it; an engine integration
+  uses it to announce removals.
+* **purge** (:meth:`StorageManager.purge`) deletes one namespace's chunks from every
+  tier, CPU first, and keeps writes and promotions begun before it from bringing them
+  back (:mod:`lmtier.storage.purging`).
 * **failures**: every call to a byte tier goes through its
   :class:`~lmtier.storage.guard.TierGuard`: a deadline that grows with the call's bytes
   and keys (:mod:`lmtier.storage.budget`), an exception
@@ -50,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from lmtier.chunks.keys import ChunkKey
+from lmtier.chunks.keys import ChunkKey, check_namespace
 from lmtier.errors import CacheClosedError
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
@@ -59,12 +63,27 @@ from lmtier.storage.guard import TierGuard
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
 from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS
+from lmtier.storage.purging import (
+    PURGE_FAILED,
+    PURGE_TIMEOUT_S,
+    PURGE_UNSUPPORTED,
+    PurgeBarriers,
+    purge_tier,
+)
 from lmtier.storage.reads import Reads
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.storage.writes import BackgroundWrites
 
-__all__ = ["EvictListener", "LoadedChunk", "Lookup", "StorageManager", "TierSpan"]
+__all__ = [
+    "PURGE_FAILED",
+    "PURGE_UNSUPPORTED",
+    "EvictListener",
+    "LoadedChunk",
+    "Lookup",
+    "StorageManager",
+    "TierSpan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +102,7 @@ class StorageManager:
     """Ordered tiers behind one lookup/get/put interface. See the module docstring.
 
     ``check`` says what a served chunk must be (default: the chunk asked for, any
-    geometry, no MAC).
+    geometry, no MAC). ``purge_timeout_s`` is the deadline of one tier's purge.
     """
 
     def __init__(
@@ -94,6 +113,7 @@ class StorageManager:
         call_timeout_s: float | None = None,
         breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
         check: ChunkCheck | None = None,
+        purge_timeout_s: float = PURGE_TIMEOUT_S,
     ) -> None:
         names = [memory.name, *(tier.name for tier in tiers)]
         if len(set(names)) != len(names):
@@ -102,6 +122,7 @@ class StorageManager:
         self.tiers = list(tiers)
         self.call_timeout_s = call_timeout_s or DEFAULT_CALL_TIMEOUT_S
         self.check = check or ChunkCheck()
+        self.purge_timeout_s = purge_timeout_s
         self.guards = {
             t.name: TierGuard(t, self._timeout(t), breaker_factory()) for t in self.tiers
         }
@@ -109,8 +130,14 @@ class StorageManager:
         self.lock = threading.RLock()
         """Guards host-memory state (module docstring); re-entrant, since an eviction
         inside a put queues a write-back."""
+        self.barriers = PurgeBarriers()
+        """Namespaces being purged, and since when (:mod:`lmtier.storage.purging`)."""
         self.writes = BackgroundWrites(
-            memory, list(self.guards.values()), Sealer(sign), lock=self.lock
+            memory,
+            list(self.guards.values()),
+            Sealer(sign),
+            lock=self.lock,
+            barriers=self.barriers,
         )
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
@@ -211,12 +238,16 @@ class StorageManager:
         The CPU tier adopts it now; write-through tiers get it in the background.
         Returns whether every write-through tier's queue took it: False when a full
         queue dropped it for some tier (counted there in ``queue_drops``), so that a
-        caller never reports as stored a chunk that a tier will not receive. Any thread.
+        caller never reports as stored a chunk that a tier will not receive, and when a
+        purge of its namespace is running (it is not stored at all). Any thread.
         """
         with self.lock:
             if self._closed:
                 handle.release()
                 raise CacheClosedError("put on a closed StorageManager")
+            if self.barriers.purging(key):
+                handle.release()
+                return False
             queued = True
             for tier in self.tiers:
                 if tier.properties.write_policy == "write_through":
@@ -258,11 +289,57 @@ class StorageManager:
         for tier in self._write_back:
             self.writes.enqueue(tier, key, handle, size)
         handle.release()
+        self._tell_listeners(key)
+
+    def _tell_listeners(self, key: ChunkKey) -> None:
         for listener in tuple(self._evict_listeners):
             try:
                 listener(key)
             except Exception:
                 logger.exception("evict listener %r failed on %s", listener, key)
+
+    # ---- purge ------------------------------------------------------------------
+
+    async def purge(self, namespace: bytes) -> dict[str, int]:
+        """Delete every chunk of one namespace (keys starting with the 16-byte digest
+        ``namespace``, e.g. ``Namespace.digest``) from every tier, fastest first; per
+        tier name, how many chunks went, or :data:`PURGE_FAILED` (the tier failed,
+        timed out or its breaker was open: it may have deleted some) or
+        :data:`PURGE_UNSUPPORTED` (it cannot list its chunks; skipped). Never raises
+        for a tier's failure. On the runtime's loop.
+
+        The CPU tier drops the namespace's chunks at once (a reader's slab is freed when
+        it lets go; evict listeners are told each key). Then each lower tier in order:
+        a background write of the namespace already being sent to it is waited for
+        (up to ``PURGE_SETTLE_S``), then the tier purges through its guard (breaker, a
+        deadline of ``purge_timeout_s``, abandoned if it stalls). Writes queued before
+        the purge are dropped, and while it runs the namespace's stores are refused and
+        its chunks are not promoted (:mod:`lmtier.storage.purging`): when it returns,
+        no chunk of the namespace stored before it is left in a tier that answered.
+        InvalidRequestError unless ``namespace`` is 16 bytes; CacheClosedError after
+        :meth:`close`.
+        """
+        namespace = check_namespace(namespace)
+        with self.lock:
+            if self._closed:
+                raise CacheClosedError("purge on a closed StorageManager")
+            self.barriers.begin(namespace)
+        try:
+            with self.lock:
+                keys = self.memory.discard_namespace(namespace)
+                self.memory.stats.purged += len(keys)
+                for key in keys:
+                    self._tell_listeners(key)
+            purged = {self.memory.name: len(keys)}
+            for tier in self.tiers:
+                purged[tier.name] = await purge_tier(
+                    self.guards[tier.name], self.writes, namespace, self.purge_timeout_s
+                )
+        finally:
+            with self.lock:
+                self.barriers.end(namespace)
+        logger.info("purged namespace %s: %s", namespace.hex(), purged)
+        return purged
 
     # ---- lifecycle --------------------------------------------------------------
 

@@ -17,7 +17,9 @@ batches, every chunk checked, and what lower tiers served promoted.
   tier and an integrity key is set; one that is not is deleted from its tier, counted
   in ``corrupt``, and the load stops there.
 * Promotion: the CPU tier adopts the slab a lower tier was read into (no copy), and
-  the byte tiers above the one that served it get the chunk in the background.
+  the byte tiers above the one that served it get the chunk in the background; not
+  when a purge of its namespace began since the read did (:mod:`lmtier.storage.purging`):
+  the chunk is served, not cached again.
 * A read that times out is abandoned, not awaited; the slabs it was given stay out of
   the pool (its own leases) until its task ends (:mod:`lmtier.storage.guard`).
 
@@ -67,6 +69,7 @@ class Reads:
         self.check = owner.check
         self.lock = owner.lock
         self.writes = owner.writes
+        self.barriers = owner.barriers
         self._acquire: Callable[[int], list[SlabHandle]] = owner.acquire_slabs
         self.pacers = {t.name: BatchPacer(self.guards[t.name].budget) for t in self.tiers}
         self._verifier: ThreadPoolExecutor | None = None
@@ -203,6 +206,7 @@ class Reads:
         try:
             io_leases = [handle.share() for handle in handles]  # the call's own (docstring)
             views = [handle.view for handle in handles]
+            stamp = self.barriers.epoch  # a purge begun after this: no promotion
             started = time.perf_counter()
             read, timed_out = await self.guards[tier.name].call(
                 "get",
@@ -228,7 +232,8 @@ class Reads:
             decoded = await self._authentic(tier, keys, decoded)
             for key, handle, chunk in zip(keys, handles, decoded, strict=False):
                 chunks.append(LoadedChunk(key, tier.name, chunk, handle))
-                self._promote(tier, key, handle, chunk.payload_offset + chunk.meta.nbytes)
+                size = chunk.payload_offset + chunk.meta.nbytes
+                self._promote(tier, key, handle, size, stamp)
             return chunks
         finally:
             _release_all(handles[len(chunks) :])
@@ -254,8 +259,12 @@ class Reads:
         tier.stats.corrupt += len(keys)
         await self.guards[tier.name].call("delete", lambda: tier.delete(keys), num_keys=len(keys))
 
-    def _promote(self, source: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> None:
+    def _promote(
+        self, source: Tier, key: ChunkKey, handle: SlabHandle, size: int, stamp: int
+    ) -> None:
         with self.lock:
+            if self.barriers.stale(key, stamp):
+                return
             self.memory.adopt(key, handle.share(), size)
             for tier in self.tiers:
                 if tier is source:

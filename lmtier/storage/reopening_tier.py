@@ -120,6 +120,10 @@ class ReopeningTier(Tier):
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         return await (await self._tier()).delete(keys)
 
+    async def _purge(self, namespace: bytes) -> int:
+        # The real tier's own: its counters are ours already (``stats`` is shared).
+        return await (await self._tier())._purge(namespace)
+
     async def close(self) -> None:
         self._closed = True
         if self._inner is not None:

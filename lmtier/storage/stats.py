@@ -82,6 +82,8 @@ class TierStats:
     """Background writes dropped because the tier's queue was full."""
     skipped: int = 0
     """Calls not made because the tier's circuit breaker was open (fast misses)."""
+    purged: int = 0
+    """Chunks deleted by namespace purges (:meth:`lmtier.storage.tier.Tier.purge`)."""
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     lookup_latency: LatencyHistogram = field(default_factory=LatencyHistogram)

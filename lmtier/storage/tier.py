@@ -36,6 +36,14 @@ Backends translate their own exceptions (OSError, redis, botocore) at their edge
 through one table each (:mod:`lmtier.storage.failures`), into misses for one chunk
 or BackendError for the whole tier.
 
+Purging a namespace (:meth:`Tier.purge`) deletes every chunk whose key starts with
+one 16-byte namespace digest, which the key layout makes a prefix in every backend (a
+file name, a Redis key, an S3 object key). A tier that can list its chunks by that
+prefix implements ``_purge``; one that cannot keeps the default, which raises
+:class:`~lmtier.errors.NotSupportedError`: the StorageManager skips such a tier and
+reports it as :data:`~lmtier.storage.purging.PURGE_UNSUPPORTED`, where a failing one is
+``PURGE_FAILED``.
+
 What makes tiers behave differently lives in :class:`TierProperties`, so the
 StorageManager never branches on a tier's name or class.
 """
@@ -49,8 +57,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from lmtier.chunks.format import DecodedChunk, decode_as
-from lmtier.chunks.keys import ChunkKey
-from lmtier.errors import CorruptChunk
+from lmtier.chunks.keys import ChunkKey, check_namespace
+from lmtier.errors import CorruptChunk, NotSupportedError
 from lmtier.storage.stats import TierStats
 
 __all__ = [
@@ -255,6 +263,25 @@ class Tier(ABC):
     @abstractmethod
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present."""
+
+    async def purge(self, namespace: bytes) -> int:
+        """Delete every chunk of one namespace: every key that starts with the 16-byte
+        digest ``namespace``. Returns how many were deleted (counted in ``stats.purged``).
+
+        InvalidRequestError unless ``namespace`` is 16 bytes (a shorter prefix would take
+        other namespaces with it); NotSupportedError from a tier that cannot list its
+        chunks; BackendError when the tier fails, possibly after deleting some. A chunk
+        written by a call that runs concurrently with the purge may survive it (the
+        StorageManager keeps its own writes from doing so).
+        """
+        deleted = await self._purge(check_namespace(namespace))
+        self.stats.purged += deleted
+        return deleted
+
+    async def _purge(self, namespace: bytes) -> int:
+        """Backend purge of the checked 16-byte ``namespace`` (:meth:`purge`). The default
+        raises NotSupportedError: a tier that cannot list its chunks cannot find them."""
+        raise NotSupportedError(f"{self.name}: this tier cannot list its chunks to purge them")
 
     async def close(self) -> None:  # noqa: B027 - a no-op is the right default
         """Release connections, threads and files. Idempotent."""

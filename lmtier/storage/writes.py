@@ -14,6 +14,11 @@ fails, is skipped by the breaker or times out is dropped and counted; the chunk 
 in the tiers above.
 Its write leases go back only when its I/O is over (an abandoned write may still be
 reading the slab).
+
+A purge of a namespace (:mod:`lmtier.storage.purging`) must not be undone by a write
+queued before it: writers drop writes its :class:`~lmtier.storage.purging.PurgeBarriers`
+call stale, right before sending a batch, and :meth:`BackgroundWrites.settled` lets
+the purge wait for a batch of the namespace already being sent.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmtier.chunks.keys import ChunkKey
+from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
 from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.purging import PurgeBarriers
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 
@@ -55,6 +61,18 @@ class _Write:
     key: ChunkKey
     handle: SlabHandle
     size: int
+    stamp: int
+    """:attr:`PurgeBarriers.epoch` when it was queued."""
+
+
+class _Flight:
+    """A batch being sent: its namespaces, and a future done once its call is over."""
+
+    __slots__ = ("done", "namespaces")
+
+    def __init__(self, batch: Sequence[_Write]) -> None:
+        self.namespaces = frozenset(w.key[:NAMESPACE_BYTES] for w in batch)
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
 class BackgroundWrites:
@@ -73,10 +91,12 @@ class BackgroundWrites:
         sealer: Sealer | None = None,
         *,
         lock: threading.RLock | None = None,
+        barriers: PurgeBarriers | None = None,
     ) -> None:
         self.memory = memory
         self.sealer = sealer or Sealer()
         self.lock = lock or threading.RLock()
+        self.barriers = barriers or PurgeBarriers()
         self.guards = {guard.tier.name: guard for guard in guards}
         self.pacers = {name: BatchPacer(guard.budget) for name, guard in self.guards.items()}
         self._queues: dict[str, asyncio.Queue[_Write]] = {}
@@ -84,6 +104,8 @@ class BackgroundWrites:
         self._waiting: dict[str, int] = {}
         """Writes queued or on their way to the queue, per tier (under ``lock``)."""
         self._writers: list[asyncio.Task[None]] = []
+        self._flights: dict[str, set[_Flight]] = {}
+        """Batches being sent, per tier (loop only)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -95,6 +117,7 @@ class BackgroundWrites:
         for name, guard in self.guards.items():
             self._depths[name] = min(guard.tier.properties.queue_depth, most)
             self._waiting[name] = 0
+            self._flights[name] = set()
             queue: asyncio.Queue[_Write] = asyncio.Queue()  # bounded by the reservations
             self._queues[name] = queue
             task = self._writer(guard, queue, self.pacers[name])
@@ -103,17 +126,18 @@ class BackgroundWrites:
     def enqueue(self, tier: Tier, key: ChunkKey, handle: SlabHandle, size: int) -> bool:
         """Queue a write of the chunk in ``handle``'s slab to ``tier`` (a write lease of
         its own: the caller keeps its lease). False when it was not queued: the queue is
-        full (counted in ``queue_drops``) or the writes are closed. Any thread, holding
-        ``lock``."""
+        full (counted in ``queue_drops``), the writes are closed, or a purge of the
+        chunk's namespace is running. Any thread, holding ``lock``."""
         with self.lock:
             queue, loop = self._queues.get(tier.name), self._loop
-            if queue is None or loop is None or self._closed:
+            if queue is None or loop is None or self._closed or self.barriers.purging(key):
                 return False
             if self._waiting[tier.name] >= self._depths[tier.name]:
                 tier.stats.queue_drops += 1
                 return False
             self._waiting[tier.name] += 1
-            write = _Write(key, self.memory.share_for_write(handle), size)
+            lease = self.memory.share_for_write(handle)
+            write = _Write(key, lease, size, self.barriers.epoch)
         if _on_loop(loop):
             queue.put_nowait(write)
         else:
@@ -143,6 +167,7 @@ class BackgroundWrites:
                 for _ in range(taken):
                     queue.task_done()
                 raise
+            batch = self._unpurged(batch)  # no await from here to the call's start
             if len(batch) < taken:
                 for _ in range(taken - len(batch)):
                     queue.task_done()
@@ -150,6 +175,8 @@ class BackgroundWrites:
                     continue
             items = [(w.key, w.handle.view[: w.size]) for w in batch]
             num_bytes = sum(w.size for w in batch)
+            flight = _Flight(batch)
+            self._flights[tier.name].add(flight)
             started = time.perf_counter()
             try:
                 # Bound now, not looked up when called: an abandoned write settles
@@ -157,7 +184,7 @@ class BackgroundWrites:
                 stored, timed_out = await guard.call(
                     "put",
                     functools.partial(tier.put, items),
-                    functools.partial(self._release, batch),
+                    functools.partial(self._landed, tier.name, batch, flight),
                     num_bytes=num_bytes,
                 )
             finally:
@@ -180,6 +207,34 @@ class BackgroundWrites:
         self._release(dropped)
         tier.stats.errors += len(dropped)
         return [w for w, good in zip(batch, ok, strict=True) if good]
+
+    def _unpurged(self, batch: list[_Write]) -> list[_Write]:
+        """``batch`` without the writes a purge made stale (released, not counted: the
+        chunk is deleted, not lost)."""
+        kept: list[_Write] = []
+        stale: list[_Write] = []
+        for write in batch:
+            (stale if self.barriers.stale(write.key, write.stamp) else kept).append(write)
+        if stale:
+            self._release(stale)
+        return kept
+
+    def _landed(self, name: str, batch: list[_Write], flight: _Flight) -> None:
+        """A batch's call is over (its I/O too): release its leases, end its flight."""
+        self._release(batch)
+        self._flights[name].discard(flight)
+        if not flight.done.done():
+            flight.done.set_result(None)
+
+    async def settled(self, tier: Tier, namespace: bytes, timeout_s: float) -> bool:
+        """Wait until no batch holding a chunk of ``namespace`` is being sent to ``tier``
+        (up to ``timeout_s``); False if one still is. Batches taken from the queue
+        later drop such chunks themselves while a purge runs (:meth:`_unpurged`)."""
+        waits = [f.done for f in self._flights.get(tier.name, ()) if namespace in f.namespaces]
+        if not waits:
+            return True
+        _, pending = await asyncio.wait(waits, timeout=timeout_s)
+        return not pending
 
     def _release(self, batch: list[_Write]) -> None:
         with self.lock:

@@ -124,3 +124,10 @@ class DictTier(Tier):
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         await self._enter("delete")
         return sum(self.data.pop(key, None) is not None for key in keys)
+
+    async def _purge(self, namespace: bytes) -> int:
+        await self._enter("purge")
+        doomed = [key for key in self.data if key.startswith(namespace)]
+        for key in doomed:
+            del self.data[key]
+        return len(doomed)

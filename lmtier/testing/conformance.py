@@ -12,19 +12,23 @@ loop with ``asyncio.run``; no pytest plugin is needed::
 
 The suite checks the interface contract of :mod:`lmtier.storage.tier` with real encoded
 chunks: leading-prefix ``contains``, round trips, misses as None, deletes, empty
-batches, idempotent close, and (for tiers that verify reads) that corrupt or
-misplaced chunks become counted misses and are deleted.
+batches, idempotent close, (for tiers that verify reads) that corrupt or misplaced
+chunks become counted misses and are deleted, and that a purge deletes one namespace's
+chunks and no other's (a tier that cannot purge must say so with NotSupportedError,
+and its purge tests are skipped).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import InvalidRequestError, NotSupportedError
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
 
@@ -188,5 +192,64 @@ class TierConformance:
         async def body(tier: Tier) -> None:
             await tier.put([make_chunk()])
             await tier.close()
+
+        _run(body, make_tier)
+
+    def test_purge_deletes_one_namespace_and_spares_the_others(
+        self, make_tier: TierFactory
+    ) -> None:
+        unsupported: list[str] = []
+
+        async def body(tier: Tier) -> None:
+            doomed_ns = os.urandom(16)
+            near_ns = doomed_ns[:15] + bytes([doomed_ns[15] ^ 1])  # shares 15 bytes
+            doomed = [make_chunk(random_key(doomed_ns), seed=i) for i in range(5)]
+            kept = [make_chunk(random_key(ns)) for ns in (near_ns, near_ns, os.urandom(16))]
+            assert await tier.put([*doomed, *kept]) == 8
+            doomed_keys, kept_keys = [k for k, _ in doomed], [k for k, _ in kept]
+            try:
+                purged = await tier.purge(doomed_ns)
+            except NotSupportedError:
+                assert await tier.contains(doomed_keys) == 5  # it said so: nothing went
+                unsupported.append(tier.name)
+                return
+            assert purged == 5
+            assert tier.stats.purged == 5
+            assert [await tier.contains([key]) for key in doomed_keys] == [0] * 5
+            assert await tier.get_into(doomed_keys, _buffers(5)) == [None] * 5
+            assert await tier.contains(kept_keys) == 3
+            assert await tier.get_into(kept_keys, _buffers(3)) == [len(d) for _, d in kept]
+            assert await tier.purge(doomed_ns) == 0  # nothing left: nothing to count
+            reopened = await make_tier()
+            try:
+                assert [await reopened.contains([key]) for key in doomed_keys] == [0] * 5
+            finally:
+                await reopened.close()
+
+        _run(body, make_tier)
+        if unsupported:
+            pytest.skip(f"{unsupported[0]} cannot purge (NotSupportedError)")
+
+    def test_purge_of_an_empty_namespace(self, make_tier: TierFactory) -> None:
+        async def body(tier: Tier) -> None:
+            kept = make_chunk()
+            await tier.put([kept])
+            try:
+                assert await tier.purge(os.urandom(16)) == 0
+            except NotSupportedError:
+                return
+            assert await tier.contains([kept[0]]) == 1
+
+        _run(body, make_tier)
+
+    def test_purge_needs_a_16_byte_namespace(self, make_tier: TierFactory) -> None:
+        # A shorter prefix would select the chunks of every namespace that starts with it.
+        async def body(tier: Tier) -> None:
+            (key, data) = make_chunk()
+            await tier.put([(key, data)])
+            for bad in (key[:15], key, b"", "0" * 16, None):
+                with pytest.raises(InvalidRequestError, match="16-byte"):
+                    await tier.purge(bad)  # type: ignore[arg-type]
+            assert await tier.contains([key]) == 1
 
         _run(body, make_tier)

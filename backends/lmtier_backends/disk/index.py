@@ -300,6 +300,15 @@ class DiskIndex:
         with self._lock:
             return self._remove(key)
 
+    def remove_namespace(self, namespace: bytes) -> list[ChunkKey]:
+        """Drop every key that starts with ``namespace`` (a purge); the keys dropped.
+        Keys being written stay counted as in flight until their write ends."""
+        with self._lock:
+            keys = [key for key in self._sizes if key.startswith(namespace)]
+            for key in keys:
+                self._remove(key)
+        return keys
+
     def _remove(self, key: ChunkKey) -> int | None:
         size = self._sizes.pop(key, None)
         if size is not None:

@@ -275,11 +275,11 @@ def file_signature(path: str) -> tuple[int, int, int] | None:
     return (st.st_size, st.st_ino, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 
 
-def unlink_all(paths: Sequence[str], ledger: Ledger) -> list[OSError]:
+def unlink_all(paths: Sequence[str], ledger: Ledger) -> tuple[int, list[OSError]]:
     """Unlink each path, uncounting in ``ledger`` the regular files that went; paths
-    already gone are fine. Returns the other failures."""
+    already gone are fine. Returns how many this call unlinked, and the other failures."""
     failures: list[OSError] = []
-    freed = 0
+    freed = unlinked = 0
     for path in paths:
         try:
             found = file_signature(path)
@@ -289,10 +289,11 @@ def unlink_all(paths: Sequence[str], ledger: Ledger) -> list[OSError]:
         except OSError as exc:
             failures.append(exc)
             continue
+        unlinked += 1
         freed += found[0] if found is not None else 0
     if freed:
         ledger.add(-freed)
-    return failures
+    return unlinked, failures
 
 
 def probe_write(tmp_dir: str, mode: int) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "ScanResult",
     "dir_mode",
     "explain_open_error",
+    "list_namespace",
     "make_chunk_dirs",
     "prepare",
     "scan_chunk_dir",
@@ -178,6 +179,22 @@ def scan_chunk_dir(root: str) -> ScanResult:
     result.entries = [(key, size) for _, key, size in found]
     result.total = sum(size for _, _, size in found)
     return result
+
+
+def list_namespace(root: str, namespace: bytes) -> list[ChunkKey]:
+    """The keys of every chunk file of one namespace under ``root``, whoever wrote it:
+    names starting with its 32 hex digits, in each of the 256 shards (a namespace
+    spreads over all of them). Blocking: one ``scandir`` per shard, no ``stat``."""
+    start = namespace.hex()
+    keys: list[ChunkKey] = []
+    for shard in _SHARD_NAMES:
+        with os.scandir(os.path.join(root, shard)) as entries:
+            keys.extend(
+                ChunkKey(bytes.fromhex(entry.name[:64]))
+                for entry in entries
+                if entry.name.startswith(start) and _CHUNK_NAME.fullmatch(entry.name)
+            )
+    return keys
 
 
 def dir_mode(file_mode: int) -> int:

@@ -84,6 +84,7 @@ from lmtier_backends.disk.io import (
 from lmtier_backends.disk.layout import (
     CHUNK_SUFFIX,
     explain_open_error,
+    list_namespace,
     prepare,
     scan_chunk_dir,
     temp_name,
@@ -153,7 +154,7 @@ class DiskTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._writes: set[asyncio.Task[int]] = set()
-        self._unlinks: dict[ChunkKey, asyncio.Future[list[OSError]]] = {}
+        self._unlinks: dict[ChunkKey, asyncio.Future[tuple[int, list[OSError]]]] = {}
         self._landed_watch: dict[int, set[ChunkKey]] = {}  # per read call in flight
 
     async def start(self) -> None:
@@ -428,21 +429,35 @@ class DiskTier(Tier):
             await self._unlink(pool, removed)
         return len(removed)
 
-    async def _unlink(self, pool: ThreadPoolExecutor, keys: list[ChunkKey]) -> None:
-        """Unlink the files of keys already removed from the index, in one worker hop."""
+    async def _purge(self, namespace: bytes) -> int:
+        # The directory is listed, not just the index: other processes' files go too,
+        # each uncounted in the ledger. Writes in flight land first (none lands after
+        # the listing). Other processes' indexes drop the keys when they read them.
+        pool = self._require_pool()
+        if self._writes:
+            await asyncio.wait(set(self._writes))
+        loop = asyncio.get_running_loop()
+        listed = await finish(loop.run_in_executor(pool, list_namespace, self.root, namespace))
+        keys = list(dict.fromkeys([*self._index.remove_namespace(namespace), *listed]))
+        return await self._unlink(pool, keys) if keys else 0
+
+    async def _unlink(self, pool: ThreadPoolExecutor, keys: list[ChunkKey]) -> int:
+        """Unlink the files of keys already removed from the index, in one worker hop;
+        how many files this call unlinked."""
         future = asyncio.get_running_loop().run_in_executor(
             pool, unlink_all, [self.path_of(key) for key in keys], self._ledger
         )
         for key in keys:
             self._unlinks[key] = future
         try:
-            failures = await finish(future)
+            unlinked, failures = await finish(future)
         finally:
             for key in keys:
                 if self._unlinks.get(key) is future:
                     del self._unlinks[key]
         for exc in failures:
             self._count_error("unlink", exc)
+        return unlinked
 
     async def close(self) -> None:
         """Wait for writes in flight, then stop the thread pool, within

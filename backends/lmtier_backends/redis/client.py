@@ -4,7 +4,9 @@ Redis Cluster, built on redis-py's pools and topology, with our connection class
 A :class:`Route` answers three questions for the tier: which node serves a key
 (:meth:`Route.node_of`), how a batch of keys splits by node (:meth:`Route.group`,
 so a pipelined batch is one round trip per node), and how to borrow a connected
-connection to a node (:meth:`Route.connection`). Standalone, there is one node, the
+connection to a node (:meth:`Route.connection`); and it lists keys by prefix on every
+node that holds some (:meth:`Route.primaries`, :meth:`Route.scan`, with a
+:func:`match_prefix` pattern), for a purge. Standalone, there is one node, the
 server, and connections come from a redis-py ``ConnectionPool``. In a cluster, keys
 map to slots with Redis's own CRC16 (``redis.crc.key_slot``) and slots to masters
 with redis-py's slot cache; each master has its own pool (``ClusterNode``).
@@ -45,11 +47,26 @@ __all__ = [
     "Node",
     "Route",
     "StandaloneRoute",
+    "match_prefix",
     "open_route",
 ]
 
 Node = ClusterNode | None
 """Where a key lives: a cluster master, or None for the one standalone server."""
+
+_GLOB_SPECIAL = frozenset(b"\\*?[]")
+
+
+def match_prefix(prefix: bytes) -> bytes:
+    """A SCAN ``MATCH`` pattern for the keys that start with ``prefix``: its glob
+    metacharacters (``* ? [ ] \\``) escaped, so a ``key_prefix`` such as ``cache[1]*``
+    matches itself only, then ``*``."""
+    escaped = bytearray()
+    for byte in prefix:
+        if byte in _GLOB_SPECIAL:
+            escaped.append(0x5C)  # a backslash: the next byte is literal
+        escaped.append(byte)
+    return bytes(escaped) + b"*"
 
 
 class Route(ABC):
@@ -75,6 +92,17 @@ class Route(ABC):
     async def refresh(self) -> None:  # noqa: B027 - nothing to reload standalone
         """Reload the topology after a connection failure (cluster only)."""
 
+    def primaries(self) -> list[Node]:
+        """The nodes that hold keys: every master, or the one server."""
+        return [None]
+
+    @abstractmethod
+    async def scan(
+        self, node: Node, cursor: int, match: bytes, count: int
+    ) -> tuple[int, list[bytes]]:
+        """One ``SCAN cursor MATCH match COUNT count`` on ``node``: the next cursor (0
+        when done) and the key names of this page (maybe none)."""
+
     @abstractmethod
     async def aclose(self) -> None:
         """Close every connection; never waits on the server."""
@@ -91,6 +119,12 @@ class StandaloneRoute(Route):
 
     def node_of(self, name: bytes) -> Node:
         return None
+
+    async def scan(
+        self, node: Node, cursor: int, match: bytes, count: int
+    ) -> tuple[int, list[bytes]]:
+        following, names = await self.client.scan(cursor, match=match, count=count)
+        return int(following), cast("list[bytes]", names)  # no decode_responses: bytes
 
     @asynccontextmanager
     async def connection(self, node: Node) -> AsyncIterator[AbstractConnection]:
@@ -124,6 +158,21 @@ class ClusterRoute(Route):
     def node_of(self, name: bytes) -> Node:
         node: ClusterNode = self.cluster.nodes_manager.get_node_from_slot(key_slot(name))
         return node
+
+    def primaries(self) -> list[Node]:
+        return list(self.cluster.get_primaries())
+
+    async def scan(
+        self, node: Node, cursor: int, match: bytes, count: int
+    ) -> tuple[int, list[bytes]]:
+        if node is None:
+            raise ValueError("a cluster scan needs a node")
+        # redis-py answers a cluster SCAN with a cursor per node asked.
+        cursors, names = await self.cluster.scan(
+            cursor, match=match, count=count, target_nodes=node
+        )
+        following = cast("dict[str, int]", cursors)[node.name]
+        return int(following), cast("list[bytes]", names)
 
     def group(self, names: Sequence[bytes]) -> list[tuple[Node, list[int]]]:
         groups: dict[str, tuple[Node, list[int]]] = {}

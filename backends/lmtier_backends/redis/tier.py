@@ -25,6 +25,8 @@ unservable, deleted and counted (``Tier.get_into``), so EXISTS stops finding it.
 Lookups: ``contains`` sends one pipelined batch of ``EXISTS key`` per key (per-key
 answers, to count the leading run) as a single write: one round trip standalone, one
 per master in a cluster (concurrently). Deletes are pipelined ``DEL``-s the same way.
+A purge ``SCAN``-s every master for ``<key_prefix><namespace hex>:*`` (the prefix's
+glob metacharacters escaped) and ``UNLINK``-s each page of ``PURGE_PAGE`` names.
 
 TTL: ``ttl_s`` (None: keys live until Redis evicts them; configure ``maxmemory`` and an
 ``allkeys-lru`` policy for a cache) is set on every SET and, with
@@ -88,7 +90,7 @@ from lmtier.storage.tier import (
     TierProperties,
     WritePolicy,
 )
-from lmtier_backends.redis.client import Node, Route, open_route
+from lmtier_backends.redis.client import Node, Route, match_prefix, open_route
 from lmtier_backends.redis.wire import Reply, exchange, pack_command, pack_key_commands
 
 __all__ = ["CLOSE_TIMEOUT_S", "RedisTier", "open_tier"]
@@ -97,6 +99,8 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 0.5
 """Upper bound of :meth:`RedisTier.close`; sockets are aborted, so it rarely takes 1 ms."""
+PURGE_PAGE = 1000
+"""A purge's SCAN ``COUNT`` hint, and so about the most names one UNLINK carries."""
 
 _REDIRECTS = (b"-MOVED ", b"-ASK ", b"-TRYAGAIN", b"-CLUSTERDOWN")
 # Replies that say the server cannot serve anyone right now (not this one key): raised,
@@ -289,6 +293,27 @@ class RedisTier(Tier):
             )
         except _TIER_FAILURES as exc:
             raise self._exceptions.error(exc, "delete") from exc
+
+    async def _purge(self, namespace: bytes) -> int:
+        # One SCAN page then its UNLINK (freed off the server's main thread) at a time,
+        # each reply ticking progress: a long purge lives, a hung server is caught.
+        route = self._require_route()
+        pattern = match_prefix(self._prefix + hexlify(namespace) + b":")
+        unlinked = 0
+        try:
+            await route.refresh()
+            async with self._permit():
+                for node in route.primaries():
+                    cursor: int | None = None  # None: not started; 0: done
+                    while cursor != 0:
+                        cursor, names = await route.scan(node, cursor or 0, pattern, PURGE_PAGE)
+                        self.io_progress.tick()
+                        if names:
+                            unlinked += await route.client.unlink(*names)
+                            self.io_progress.tick()
+        except _TIER_FAILURES as exc:
+            raise self._exceptions.error(exc, "purge") from exc
+        return unlinked
 
     async def close(self) -> None:
         """Abort every connection, within ``CLOSE_TIMEOUT_S`` whatever the server does."""

@@ -3,7 +3,9 @@
 Naming: ``<prefix><namespace hex>/<chain hex>`` (the two halves of the key, 32 hex
 digits each), so one namespace (model revision, dtype, TP rank, tenant salt) is one
 key prefix: list it, give it a lifecycle rule, or drop it with ``aws s3 rm
---recursive s3://<bucket>/<prefix><namespace hex>/``.
+--recursive s3://<bucket>/<prefix><namespace hex>/``, which is what a purge does: it
+lists the prefix a page of up to 1000 objects at a time (ListObjectsV2) and deletes
+each page with one DeleteObjects.
 
 Concurrency: boto3's sync client shared by a pool of ``max_concurrency`` threads,
 with as many pooled connections; batches fan out over the pool. ``contains`` runs
@@ -79,7 +81,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from botocore.exceptions import ClientError
 
@@ -113,6 +115,7 @@ _EXPIRED = -2
 """Outcome of a GET of an object older than ``ttl_s`` (apart from UNSERVABLE, -1)."""
 _UNASKED = object()
 """Outcome slot of a key ``contains`` never sent a HEAD for."""
+T = TypeVar("T")
 
 
 class S3Tier(Tier):
@@ -270,14 +273,29 @@ class S3Tier(Tier):
         self.io_progress.tick()
         return len(view)
 
-    def _delete_batch(self, keys: Sequence[ChunkKey]) -> None:
-        objects = [{"Key": self.object_key(key)} for key in keys]
+    def _delete_objects(self, names: Sequence[str]) -> int:
+        """One DeleteObjects of up to ``_DELETE_BATCH`` object keys; how many went (those
+        S3 did not refuse: absent ones count, as S3 does not say)."""
+        objects = [{"Key": name} for name in names]
         response = self._client.delete_objects(
             Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
         )
         self.io_progress.tick()
-        for error in response.get("Errors", []):
+        errors = response.get("Errors", [])
+        for error in errors:
             self._failures.record("delete", error, "refused")
+        return len(names) - len(errors)
+
+    def _list_page(self, prefix: str, token: str | None) -> tuple[list[str], str | None]:
+        """One ListObjectsV2 page of up to ``_DELETE_BATCH`` object keys under ``prefix``,
+        and the token of the next page (None after the last)."""
+        more = {"ContinuationToken": token} if token else {}
+        response = self._client.list_objects_v2(
+            Bucket=self.bucket, Prefix=prefix, MaxKeys=_DELETE_BATCH, **more
+        )
+        self.io_progress.tick()
+        names = [item["Key"] for item in response.get("Contents", ())]
+        return names, response.get("NextContinuationToken") if response["IsTruncated"] else None
 
     # ---- the Tier interface ---------------------------------------------------------
 
@@ -340,9 +358,29 @@ class S3Tier(Tier):
         return sum(o is True for o in outcomes)
 
     async def _delete(self, keys: Sequence[ChunkKey]) -> None:
-        batches = [(keys[i : i + _DELETE_BATCH],) for i in range(0, len(keys), _DELETE_BATCH)]
-        outcomes = await self._map(self._delete_batch, batches)
+        names = [self.object_key(key) for key in keys]
+        batches = [(names[i : i + _DELETE_BATCH],) for i in range(0, len(names), _DELETE_BATCH)]
+        outcomes = await self._map(self._delete_objects, batches)
         settle(self._failures, self._exceptions, "delete", outcomes)
+
+    async def _purge(self, namespace: bytes) -> int:
+        # Page by page, list then delete: each page one thread hop, so a cancelled purge
+        # stops between requests. The listing resumes after the last key it returned,
+        # so deleting behind it skips nothing.
+        prefix, token, deleted = self.namespace_prefix(namespace), None, 0
+        while True:
+            names, token = await self._purge_step(self._list_page, prefix, token)
+            if names:
+                deleted += await self._purge_step(self._delete_objects, names)
+            if token is None:
+                return deleted
+
+    async def _purge_step(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the pool; any failure fails the purge (as lmtier's error)."""
+        (outcome,) = await self._map(fn, [args])
+        if isinstance(outcome, BaseException):
+            raise self._exceptions.error(outcome, "purge") from outcome
+        return cast(T, outcome)
 
     async def _map(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run ``fn`` on each argument tuple in the pool; outcomes in order. If cancelled,
