@@ -437,6 +437,11 @@ class LMTier:
         if manager is not None:
             manager.remove_evict_listener(callback)
 
+    def purge(self, cache_salt: str = "") -> dict[str, int]:
+        """Delete every chunk of this model's namespace under ``cache_salt`` from every
+        tier; chunks deleted by tier name (-1: the tier failed, -2: it cannot list)."""
+        return self._runtime.run(self._require().purge(self.namespace(cache_salt).digest))
+
     def flush(self) -> None:
         """Wait until background writes queued so far have been attempted."""
         self._runtime.run(self._require().flush())

@@ -483,8 +483,8 @@ class SidecarClient(LMTier):
         return out
 
     def purge(self, cache_salt: str = "") -> dict[str, int]:
-        """Delete every chunk of this model's namespace under ``cache_salt`` from every
-        tier of the sidecar that can list its chunks; deleted chunks by tier."""
+        """:meth:`LMTier.purge`, done by the sidecar (tiers that failed or cannot list
+        are left out); SidecarUnavailable while it is unreachable."""
         connection = self._conn()
         session = connection.session(self.namespace(cache_salt))
         reply = connection.call(connection.stub.Purge, pb.PurgeRequest(session_id=session.id))

@@ -217,3 +217,28 @@ def test_socket_and_pool_are_owner_only(sidecar: SidecarProcess, observer: LMTie
     assert len(pools) == 1 and pools[0].stat().st_mode & 0o777 == 0o600
     sidecar.stop()
     assert not pools[0].exists()
+
+
+def test_purge_empties_one_tenant_and_keeps_the_other(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    ids = prompt(8, TOKENS)
+    assert observer.store(ids, kv_of(8, TOKENS), cache_salt="a") == 6
+    assert observer.store(ids, kv_of(8, TOKENS), cache_salt="b") == 6
+    assert observer.purge("a") == {"cpu": 6}
+    assert observer.lookup(ids, cache_salt="a").num_tokens == 0
+    assert observer.lookup(ids, cache_salt="b").num_tokens == 6 * 256
+
+
+def test_the_sidecar_hashes_token_ids_as_clients_do(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    from lmtier.sidecar.client import SidecarClient
+    from lmtier.v1 import sidecar_pb2 as pb
+
+    assert isinstance(observer, SidecarClient)
+    ids = prompt(9, TOKENS)
+    connection = observer._conn()
+    session = connection.session(observer.namespace())
+    request = pb.LookupRequest(session_id=session.id, tokens=pb.TokenIds(ids=ids))
+    assert connection.stub.Lookup(request).keys == b"".join(observer.keys(ids))
