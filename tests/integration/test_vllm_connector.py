@@ -34,14 +34,10 @@ with warnings.catch_warnings():
         KVConnectorRole,
     )
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request, RequestStatus
-    from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.utils import allocate_kv_cache
     from vllm_helpers import (
         BLOCK,
@@ -49,11 +45,16 @@ with warnings.catch_warnings():
         HEAD_DIM,
         HEADS,
         LAYERS,
-        NAMES,
         PREFIX,
+        block_hasher,
+        block_tokens,
+        expected_tokens,
         kv_cache_config,
         lmtier_overrides,
+        make_request,
+        make_scheduler,
         make_vllm_config,
+        worker_step,
         write_model_dir,
     )
 
@@ -76,17 +77,11 @@ class Engine:
         worker_config: VllmConfig | None = None,
     ) -> None:
         config = kv_cache_config(layout)
-        self.scheduler = Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=BLOCK,
-        )
+        self.scheduler = make_scheduler(vllm_config, config)
         self.worker = LMTierConnector(worker_config or vllm_config, KVConnectorRole.WORKER, config)
         self.kv = allocate_kv_cache(config, torch.device("cpu"), layout)
         self.worker.register_kv_caches(self.kv)
-        init_none_hash(sha256_cbor)
-        self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
+        self.hasher = block_hasher()
 
     @property
     def connector(self) -> LMTierConnector:
@@ -95,57 +90,22 @@ class Engine:
         return connector
 
     def add(self, req_id: str, tokens: list[int]) -> Request:
-        request = Request(
-            req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=self.hasher
-        )
+        request = make_request(req_id, tokens, self.hasher)
         self.scheduler.add_request(request)
         return request
 
     def step(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
         """Schedule, then run the worker connector around a fake forward pass."""
         out = self.scheduler.schedule()
-        meta = out.kv_connector_metadata
-        assert isinstance(meta, LMTierConnectorMetadata)
-        worker = self.worker
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
-        for layer, name in enumerate(NAMES):
-            worker.wait_for_layer_load(name)
-            self.compute(out, layer)
-            worker.save_kv_layer(name, self.kv[name], None)  # type: ignore[arg-type]
-        worker.wait_for_save()
-        worker.clear_connector_metadata()
-        return out, meta
-
-    def compute(self, out: SchedulerOutput, layer: int) -> None:
-        """Write the KV a model would write for every scheduled token (new requests)."""
-        for new in out.scheduled_new_reqs:
-            tokens = new.prompt_token_ids or []
-            start = new.num_computed_tokens
-            stop = start + out.num_scheduled_tokens[new.req_id]
-            for pos in range(start, stop):
-                block = new.block_ids[0][pos // BLOCK]
-                self.kv[NAMES[layer]][block, :, pos % BLOCK, :] = expected_kv(
-                    tokens[pos], pos, layer
-                )
+        return out, worker_step(self.worker, self.kv, out)
 
     def page_tokens(self, request: Request, start: int, stop: int, layer: int) -> torch.Tensor:
         ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-        rows = [self.kv[NAMES[layer]][ids[p // BLOCK], :, p % BLOCK, :] for p in range(start, stop)]
-        return torch.stack(rows)
+        return block_tokens(self.kv, ids, start, stop, layer)
 
     def close(self) -> None:
         self.worker.shutdown()
         self.connector.shutdown()
-
-
-def expected_kv(token: int, pos: int, layer: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(pos * 7919 + token * 31 + layer)
-    return torch.randn(HEADS, 2 * HEAD_DIM, generator=gen)
-
-
-def expected_tokens(tokens: list[int], start: int, stop: int, layer: int) -> torch.Tensor:
-    return torch.stack([expected_kv(tokens[p], p, layer) for p in range(start, stop)])
 
 
 def finish(engine: Engine, req_id: str) -> None:

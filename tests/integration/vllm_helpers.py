@@ -1,13 +1,15 @@
 """Helpers shared by the vLLM connector tests: a tiny model directory, vLLM configs
-and KV cache configs. Import it only once vLLM is known to be installed (the test
-modules skip first); ``tests/conftest.py`` sets the environment vLLM needs on a CPU
-machine before any test module imports vLLM.
+and KV cache configs, a real Scheduler, and one worker step around a fake forward pass
+that writes deterministic KV (:func:`expected_kv`). Import it only once vLLM is known
+to be installed (the test modules skip first); ``tests/conftest.py`` sets the
+environment vLLM needs on a CPU machine before any test module imports vLLM.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,11 @@ with warnings.catch_warnings():
         SchedulerConfig,
         VllmConfig,
     )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -30,6 +37,11 @@ with warnings.catch_warnings():
         KVCacheTensor,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from lmtier_connector.vllm.common import LMTierConnectorMetadata
+    from lmtier_connector.vllm.connector import LMTierConnector
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 128, 64
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -116,3 +128,70 @@ def kv_cache_config(layout: KVCacheLayout) -> KVCacheConfig:
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
     )
+
+
+def make_scheduler(vllm_config: VllmConfig, config: KVCacheConfig) -> Scheduler:
+    """vLLM's real Scheduler; its connector is our SCHEDULER half."""
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
+
+
+def block_hasher() -> Callable[[Request], list[Any]]:
+    """vLLM's request block hasher (sha256 over CBOR, as vLLM's default)."""
+    init_none_hash(sha256_cbor)
+    return get_request_block_hasher(BLOCK, sha256_cbor)
+
+
+def make_request(req_id: str, tokens: list[int], hasher: Callable[[Request], list[Any]]) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+
+
+def expected_kv(token: int, pos: int, layer: int) -> torch.Tensor:
+    """The KV the fake forward pass writes for ``token`` at ``pos`` in ``layer``."""
+    gen = torch.Generator().manual_seed(pos * 7919 + token * 31 + layer)
+    return torch.randn(HEADS, 2 * HEAD_DIM, generator=gen)
+
+
+def expected_tokens(tokens: list[int], start: int, stop: int, layer: int) -> torch.Tensor:
+    return torch.stack([expected_kv(tokens[p], p, layer) for p in range(start, stop)])
+
+
+def fake_forward(kv: dict[str, torch.Tensor], out: SchedulerOutput, layer: int) -> None:
+    """Write the KV a model would write for every scheduled token (new requests)."""
+    for new in out.scheduled_new_reqs:
+        tokens = new.prompt_token_ids or []
+        start = new.num_computed_tokens
+        stop = start + out.num_scheduled_tokens[new.req_id]
+        for pos in range(start, stop):
+            block = new.block_ids[0][pos // BLOCK]
+            kv[NAMES[layer]][block, :, pos % BLOCK, :] = expected_kv(tokens[pos], pos, layer)
+
+
+def worker_step(
+    worker: LMTierConnector, kv: dict[str, torch.Tensor], out: SchedulerOutput
+) -> LMTierConnectorMetadata:
+    """What a vLLM worker does with one step's SchedulerOutput: bind the connector's
+    metadata, load, run the (fake) forward pass layer by layer, save."""
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, LMTierConnectorMetadata)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    for layer, name in enumerate(NAMES):
+        worker.wait_for_layer_load(name)
+        fake_forward(kv, out, layer)
+        worker.save_kv_layer(name, kv[name], None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return meta
+
+
+def block_tokens(
+    kv: dict[str, torch.Tensor], block_ids: list[int], start: int, stop: int, layer: int
+) -> torch.Tensor:
+    """Tokens ``[start, stop)`` of a request whose block table is ``block_ids``."""
+    page = kv[NAMES[layer]]
+    return torch.stack([page[block_ids[p // BLOCK], :, p % BLOCK, :] for p in range(start, stop)])

@@ -29,7 +29,8 @@ def register(commands: Any) -> None:
             "Build a small random Llama (or load --model DIR), run requests that share "
             "prefixes (system prompt, chat history, a RAG document) through lmtier and "
             "without it, and print cached tokens, serving tier, TTFT and logit differences. "
-            "Run it twice: the second process is served from the disk tier."
+            "Run it twice: the second process is served from the disk tier (or, with "
+            "--sidecar, from the sidecar's tiers)."
         ),
     )
     demo.add_argument(
@@ -42,6 +43,20 @@ def register(commands: Any) -> None:
     demo.add_argument("--cache-dir", metavar="DIR", help="disk tier directory (default: config)")
     demo.add_argument("--no-disk", action="store_true", help="CPU tier only")
     demo.add_argument("--cpu-capacity", default="1GiB", help="CPU tier size (default 1GiB)")
+    demo.add_argument(
+        "--sidecar",
+        metavar="URL",
+        help=(
+            "use the `lmtier serve` at URL (unix:///path.sock or host:port) instead of an "
+            "embedded cache; its config sets the tiers (--cache-dir, --no-disk and "
+            "--cpu-capacity do not apply), the device tier stays in this process"
+        ),
+    )
+    demo.add_argument(
+        "--sidecar-token-file",
+        metavar="FILE",
+        help="a file whose first line is the sidecar's bearer token",
+    )
     demo.add_argument(
         "--device-blocks",
         type=int,

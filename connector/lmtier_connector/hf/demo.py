@@ -12,6 +12,11 @@ vLLM-style block caching, 4096 tokens by default), then lmtier's CPU and disk ti
 The RAG document pushes the system prompt out of the device tier, so the last
 request is served from the CPU tier; run the demo again in a new process and the
 first requests are served from the disk tier.
+
+With ``--sidecar URL`` the cache is a client of that ``lmtier serve``
+(:meth:`lmtier.api.LMTier.connect`): its tiers, CPU tier included, outlive the demo
+process, so a second run is served from the sidecar's CPU tier. The device tier
+stays in the demo's process.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import torch
 
 from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, parse_size
+from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.prefix_cache import DevicePrefixCache
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
 from lmtier_connector.hf.demo_model import DemoModel, build_demo_model, load_local_model
+from lmtier_connector.sidecar import read_token_file
 
 __all__ = ["DemoRow", "cmd_demo", "run_demo"]
 
@@ -211,13 +218,14 @@ def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
     device_cache = (
         DevicePrefixCache(spec, args.device_blocks, device=device) if args.device_blocks else None
     )
-    with LMTier.open(
-        config,
-        kv=spec,
-        model_id=demo.model_id,
-        model_revision=demo.revision,
-        vocab_size=demo.vocab_size,
-    ) as cache:
+    with _open_cache(args, config, demo, spec) as cache:
+        if args.sidecar and "sidecar" not in cache.stats():
+            print(
+                f"lmtier demo: the sidecar at {args.sidecar} does not answer (is `lmtier "
+                "serve` running there, and is the token right?)",
+                file=sys.stderr,
+            )
+            return 1
         rows = run_demo(demo, cache, device_cache=device_cache, seed=args.seed, scale=args.scale)
         cache.flush()
     summary = summarize(rows)
@@ -225,9 +233,25 @@ def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
         print(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary}))
     else:
         where = "off" if not config.disk.enabled else str(config.disk.path)
-        print(
-            f"model {demo.model_id} ({demo.revision}), chunk {config.chunk_size} tokens, "
-            f"disk tier: {where}\n"
-        )
+        tiers = f"sidecar: {args.sidecar}" if args.sidecar else f"disk tier: {where}"
+        chunk = config.chunk_size
+        print(f"model {demo.model_id} ({demo.revision}), chunk {chunk} tokens, {tiers}\n")
         print_table(rows, summary)
     return 0
+
+
+def _open_cache(
+    args: argparse.Namespace, config: LMTierConfig, demo: DemoModel, spec: KVSpec
+) -> LMTier:
+    """The embedded cache, or a client of the sidecar at ``--sidecar``."""
+    model: dict[str, Any] = {
+        "model_id": demo.model_id,
+        "model_revision": demo.revision,
+        "vocab_size": demo.vocab_size,
+    }
+    if not args.sidecar:
+        return LMTier.open(config, kv=spec, **model)
+    token = read_token_file(args.sidecar_token_file) if args.sidecar_token_file else None
+    return LMTier.connect(
+        args.sidecar, config, kv=spec, token=token, client_name="lmtier demo", **model
+    )

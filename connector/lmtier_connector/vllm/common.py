@@ -19,7 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.chunks.vllm_hash import bind_block_hash
+from lmtier.config import Secret
 from lmtier.errors import ConfigError
+from lmtier_connector.sidecar import read_token_file
 
 __all__ = [
     "ChunkRefs",
@@ -28,9 +30,21 @@ __all__ = [
     "LMTierKVEvents",
     "LoadSpec",
     "SaveSpec",
+    "SidecarSettings",
     "chunk_keys",
     "stored_chunk_event",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSettings:
+    """Where the connector's cache lives when it is a sidecar's client
+    (:meth:`lmtier.api.LMTier.connect`): its ``target``, the bearer ``token``, and
+    whether to map its shared host pool (``shared_memory``; else chunks stream)."""
+
+    target: str
+    token: Secret | None = None
+    shared_memory: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +56,21 @@ class ConnectorSettings:
     ``vllm_block_hashes``: key chunks by vLLM's own block hashes (lookups then agree
     with vLLM's prefix cache and KV events); False: lmtier's xxh3 chain over tokens.
     ``save_decode_tokens``: also store chunks completed by generated tokens.
+    ``sidecar`` (``unix:///path.sock`` or ``host:port``): use that ``lmtier serve``
+    instead of an embedded cache, with ``sidecar_token`` (or the first line of
+    ``sidecar_token_file``) and ``sidecar_shared_memory`` (default true).
     """
 
     config_path: str | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     vllm_block_hashes: bool = True
     save_decode_tokens: bool = False
+    sidecar: SidecarSettings | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
+        known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -67,7 +86,36 @@ class ConnectorSettings:
             config=dict(overrides),
             vllm_block_hashes=bool(extra.get("vllm_block_hashes", True)),
             save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
+            sidecar=_sidecar_settings(extra),
         )
+
+
+def _sidecar_settings(extra: Mapping[str, Any]) -> SidecarSettings | None:
+    """The ``sidecar*`` keys of the extra config (None: an embedded cache)."""
+    target = extra.get("sidecar")
+    options = sorted(k for k in extra if k.startswith("sidecar_"))
+    if target is None:
+        if options:
+            raise ConfigError(f"kv_connector_extra_config {options} need 'sidecar' (a target)")
+        return None
+    if not isinstance(target, str) or not target.strip():
+        raise ConfigError(
+            "kv_connector_extra_config.sidecar must be 'unix:///path.sock' or 'host:port'"
+        )
+    token, token_file = extra.get("sidecar_token"), extra.get("sidecar_token_file")
+    if token is not None and token_file is not None:
+        raise ConfigError("set one of sidecar_token and sidecar_token_file, not both")
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        raise ConfigError("kv_connector_extra_config.sidecar_token must be a non-empty str")
+    secret = Secret(token.strip()) if token is not None else None
+    if token_file is not None:
+        if not isinstance(token_file, str) or not token_file.strip():
+            raise ConfigError("kv_connector_extra_config.sidecar_token_file must be a path")
+        secret = read_token_file(token_file)
+    shared = extra.get("sidecar_shared_memory", True)
+    if not isinstance(shared, bool):
+        raise ConfigError("kv_connector_extra_config.sidecar_shared_memory must be a bool")
+    return SidecarSettings(target.strip(), secret, shared)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,17 @@ vLLM builds one connector per role: a SCHEDULER one in the engine core (lookups 
 plans, :mod:`lmtier_connector.vllm.scheduler`) and a WORKER one per GPU worker
 (loads and saves, :mod:`lmtier_connector.vllm.worker`), possibly in other processes.
 Each owns its own :class:`~lmtier.api.LMTier`, so what the scheduler finds must be
-reachable by the workers: a shared tier (disk, Redis, S3), or one process.
+reachable by the workers: a shared tier (disk, Redis, S3), one process, or a sidecar.
 
 Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
 ``config_path`` (an lmtier YAML file, else ``$LMTIER_CONFIG``), ``config``
-(overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``.
+(overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``,
+``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
+``lmtier serve`` through :meth:`lmtier.api.LMTier.connect` instead of opening tiers of
+its own; ``sidecar_token`` or ``sidecar_token_file``, ``sidecar_shared_memory``).
+Over a sidecar the config's tier sections are the sidecar's business; what matters
+here is what keys chunks (``chunk_size``, ``hash_algorithm``, ``model_id``...). A
+sidecar that is down costs misses and load errors (recomputed), never a failed step.
 
 Tensor parallelism: each rank stores its own shard under a namespace naming its
 rank. MLA caches one latent per token, the same on every rank: only rank 0 saves,
@@ -26,6 +32,7 @@ rank 0's namespace; a rank missing its shard reports a load error (recomputed).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -46,7 +53,11 @@ from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import ConfigError
 from lmtier.kv_spec import KVSpec
-from lmtier_connector.vllm.common import ConnectorSettings, LMTierConnectorMetadata
+from lmtier_connector.vllm.common import (
+    ConnectorSettings,
+    LMTierConnectorMetadata,
+    SidecarSettings,
+)
 from lmtier_connector.vllm.scheduler import SchedulerHalf
 from lmtier_connector.vllm.worker import WorkerHalf
 
@@ -91,34 +102,52 @@ def tp_rank_of(vllm_config: VllmConfig) -> int:
         return 0
 
 
-_CacheKey = tuple[str, KVSpec, str, str, int, int]
+_CacheKey = tuple[str, KVSpec, str, str, int, int, SidecarSettings | None]
 _caches: dict[_CacheKey, tuple[LMTier, int]] = {}
 _caches_lock = threading.Lock()
 
 
 def _acquire_cache(key: _CacheKey, config: LMTierConfig) -> LMTier:
-    """One started LMTier per (config, geometry, model, rank) in this process.
+    """One started LMTier per (config, geometry, model, rank, sidecar) in this process.
 
     When vLLM runs the scheduler and the worker in one process (its in-process
     executor, tests), both halves share one cache, CPU tier included; in separate
-    processes each half opens its own and they meet in the shared tiers.
+    processes each half opens its own and they meet in the shared tiers. With a
+    sidecar (the key's last part) the cache is a client of it
+    (:meth:`lmtier.api.LMTier.connect`): every process meets in the sidecar's tiers,
+    its CPU tier included.
     """
     with _caches_lock:
         found = _caches.get(key)
         if found is not None:
             _caches[key] = (found[0], found[1] + 1)
             return found[0]
-        _, spec, model_id, revision, tp_size, tp_rank = key
-        cache = LMTier(
-            config,
-            spec,
-            model_id=model_id,
-            model_revision=revision,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-        )
-        # Opened here, not lazily: a misconfigured tier should fail at startup.
-        cache.start()
+        _, spec, model_id, revision, tp_size, tp_rank, sidecar = key
+        if sidecar is not None:
+            # A sidecar that is down is not an error here: calls miss until it is up.
+            cache = LMTier.connect(
+                sidecar.target,
+                config,
+                kv=spec,
+                model_id=model_id,
+                model_revision=revision,
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                token=sidecar.token,
+                shared_memory=sidecar.shared_memory,
+                client_name=f"vllm pid {os.getpid()} rank {tp_rank}",
+            )
+        else:
+            cache = LMTier(
+                config,
+                spec,
+                model_id=model_id,
+                model_revision=revision,
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+            )
+            # Opened here, not lazily: a misconfigured tier should fail at startup.
+            cache.start()
         _caches[key] = (cache, 1)
         return cache
 
@@ -163,6 +192,7 @@ class LMTierConnector(KVConnectorBase_V1):
             config.model_revision or (model.revision or ""),
             tp_size,
             0 if mla else rank,
+            settings.sidecar,
         )
         cache = _acquire_cache(self._cache_key, config)
         self._cache = cache

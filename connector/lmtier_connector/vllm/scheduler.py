@@ -22,7 +22,9 @@ published once every saving rank has reported it (``tp_size`` ranks; one for MLA
 A chunk announced with medium CPU that a worker's CPU tier evicts comes back the same
 way as a ``BlockRemoved(medium="CPU")``; that one is published at the *first* rank's
 report (a chunk missing one rank's shard cannot be loaded), the other ranks' copies
-of it are absorbed.
+of it are absorbed. Over a sidecar no removal ever comes (the workers cannot see its
+evictions), and the medium is the connector config's (``cpu.enabled``): set it as
+the sidecar's is.
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@
   ``BlockRemoved(medium="CPU")`` with the same block hashes, always after its
   ``BlockStored``. It may still be in a lower tier (disk, Redis, S3): no removal is
   announced for those. The hashes are kept per announced chunk, at most as many as
-  the CPU tier holds.
+  the CPU tier holds. Over a sidecar (:meth:`lmtier.api.LMTier.connect`) the CPU tier
+  is the sidecar's, in another process, and its evictions cannot be followed from
+  here: the client's ``host_memory().cache_capacity_chunks`` is 0, so no listener is
+  added and chunks get their ``BlockStored`` only, never a ``BlockRemoved``.
 
 The rejected alternative, framing and storing inside ``wait_for_save``, would put the
 wait for the copies on the forward path.
@@ -123,6 +126,8 @@ class WorkerHalf:
         self._events_lock = threading.Lock()  # never held while waiting for the loop
         # Chunk key -> hashes of its BlockStored, for its BlockRemoved (under the lock).
         self._announced: OrderedDict[ChunkKey, _Announced] = OrderedDict()
+        # No CPU tier in this process (a sidecar's client; cpu.enabled false): no
+        # evictions to follow, no BlockRemoved.
         self._max_announced = cache.host_memory().cache_capacity_chunks
         self._listening = saves and self._max_announced > 0
         if self._listening:
