@@ -24,10 +24,11 @@ head_dim 64) float32 model: 8 KiB of KV per token, 2 MiB chunks of 256 tokens.
    what a client can reach). The shared pool is cycled once before timing (every slab
    stored into by this client: its pages are mapped here, as in a long-running engine;
    the first pass's cost is reported as ``first_pass_store_gb_s``).
-3. ``stream``: a client with ``shared_memory=False`` (LoadStream / StoreStream, 1 MiB
+3. ``stream``: a client with ``shared_memory=False`` (LoadStream / StoreStream, one
+   message per 2 MiB chunk
    pieces) against a raw grpcio stream of the same bytes in the same piece size: a
    grpc.aio server in its own process on a unix socket with generic handlers and
-   bytes passthrough (no protobuf): Download yields one ready 1 MiB ``bytes`` per
+   bytes passthrough (no protobuf): Download yields one ready 2 MiB ``bytes`` per
    piece, the client copies each into a preallocated buffer; Upload sends
    ``bytes`` slices of the KV tensor, the server copies each into a preallocated
    buffer. Target >= 0.9x.
@@ -86,7 +87,8 @@ CHUNK_KV_BYTES = CHUNK * SPEC.bytes_per_token  # 2 MiB
 SLAB = SPEC.encoded_chunk_bytes(CHUNK)
 SLAB_STRIDE = (SLAB + 63) // 64 * 64  # a slab of the streaming client's pool (64-aligned)
 PROMPT_TOKENS = 32 * 1024  # 128 chunks
-PIECE = MIB  # the sidecar's stream_piece_bytes (set below) and the raw stream's
+PIECE = 4 * MIB  # the sidecar's stream_piece_bytes (its default): a chunk per message
+RAW_PIECE = CHUNK_KV_BYTES  # the raw stream's messages: the same size as the sidecar's
 LOOP_CHUNKS, STORE_CHUNKS = 8, 2  # concurrency loop: chunks looked up + loaded, stored
 SIDECAR_SETTINGS: dict[str, Any] = {
     "chunk_size": CHUNK,
@@ -331,8 +333,8 @@ def raw_server(path: str) -> None:
     """A raw grpcio server (``--raw-server PATH``): generic handlers, bytes passthrough."""
 
     async def serve() -> None:
-        piece = os.urandom(PIECE)
-        sink = bytearray(PIECE)
+        piece = os.urandom(RAW_PIECE)
+        sink = bytearray(RAW_PIECE)
 
         async def download(request: bytes, context: Any) -> AsyncIterator[bytes]:
             for _ in range(int.from_bytes(request[:8], "little")):
@@ -381,7 +383,7 @@ def bench_stream(target: str, directory: Path, num_chunks: int, repeats: int) ->
     whole = torch.empty(SPEC.shape(tokens))
     source = kv.reshape(-1).view(torch.uint8).numpy().data  # the KV's bytes, for the raw upload
     dest = memoryview(bytearray(nbytes))
-    pieces = nbytes // PIECE
+    pieces = nbytes // RAW_PIECE
     fresh = Tokens(2 * 10**8)
     process, raw_target = start_raw_server(directory)
     channel = grpc.insecure_channel(raw_target, options=RAW_OPTIONS)
@@ -406,8 +408,8 @@ def bench_stream(target: str, directory: Path, num_chunks: int, repeats: int) ->
 
         def raw_store() -> None:
             def gen() -> Iterator[bytes]:
-                for at in range(0, nbytes, PIECE):
-                    yield bytes(source[at : at + PIECE])
+                for at in range(0, nbytes, RAW_PIECE):
+                    yield bytes(source[at : at + RAW_PIECE])
 
             assert int.from_bytes(upload(gen(), timeout=60), "little") == nbytes
 
@@ -444,6 +446,7 @@ def bench_stream(target: str, directory: Path, num_chunks: int, repeats: int) ->
     return {
         "chunks": num_chunks,
         "piece_bytes": PIECE,
+        "raw_piece_bytes": RAW_PIECE,
         "store_gb_s": gbps["stream_store"],
         "raw_upload_gb_s": gbps["raw_store"],
         "store_vs_raw": store_ratio,

@@ -31,8 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -46,11 +45,10 @@ from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import (
     CacheClosedError,
     ConfigError,
-    InvalidKVError,
     InvalidRequestError,
     brief,
 )
-from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, check_kv, frame_slab, narrow_kv
+from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
@@ -59,6 +57,7 @@ from lmtier.storage.lookup import Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
 from lmtier.storage.memory import HostPool, SlabHandle, open_host_pool
 from lmtier.storage.plugins import open_tiers
+from lmtier.storing import Encoded, store_chunks
 
 __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
@@ -371,35 +370,24 @@ class LMTier:
     def _store(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
         """:meth:`store_keys` for keys this cache made (not checked again)."""
         self._check_open()
-        covered = check_kv(kv, self.kv_spec)
-        if covered < len(keys) * self.chunk_size:
-            raise InvalidKVError(
-                f"kv covers {covered} tokens; the {len(keys)} full chunks of these tokens "
-                f"need {len(keys) * self.chunk_size}"
-            )
         if skip is not None:
-            present = _require_int("skip", skip)
-        else:
-            present = self._lookup(keys, local_only=True).num_chunks
-        stored, framer, size, ctime = 0, self._framer, self.chunk_size, time.time()
-        for first in range(present, len(keys), STORE_BATCH):
-            batch = range(first, min(first + STORE_BATCH, len(keys)))
-            handles = self.acquire_slabs(len(batch))
-            encoded: list[tuple[ChunkKey, SlabHandle, int]] = []
-            try:
-                for index, handle in zip(batch, handles, strict=False):
-                    part = narrow_kv(kv, self.kv_spec, index * size, size)
-                    encoded.append(
-                        (keys[index], handle, framer.write(handle, keys[index], part, ctime))
-                    )
-            except BaseException:
-                for handle in handles:
-                    handle.release()
-                raise
-            stored += self.put_encoded(encoded)
-            if len(handles) < len(batch):
-                break  # the pool is exhausted by readers and pending writes: drop the rest
-        return stored
+            _require_int("skip", skip)
+        return store_chunks(self, keys, kv, skip)
+
+    store_batch = STORE_BATCH
+
+    def _reserve(
+        self, keys: Sequence[ChunkKey], skip: int | None, count: int
+    ) -> tuple[int, list[SlabHandle]]:
+        """How many leading ``keys`` a store skips (``skip``, else the local tiers say),
+        and slabs reserved for the rest (:mod:`lmtier.storing`): none here."""
+        present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
+        return present, []
+
+    def _hand_over(self, encoded: Encoded) -> Callable[[], int]:
+        """Give filled slabs to the cache now (:mod:`lmtier.storing`)."""
+        stored = self.put_encoded(encoded)
+        return lambda: stored
 
     def _limited_keys(
         self,

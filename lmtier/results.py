@@ -106,7 +106,9 @@ class LoadResult:
         """All loaded KV concatenated on the token axis (None if empty): a new tensor, or
         written into ``out`` (shaped for :attr:`num_tokens`, any device), which spares
         an allocation whose first touch costs more than the copy."""
-        views = self.tensors()
+        # Views for the copy only (none escapes): cut from each slab's tensor, ~3 us a
+        # chunk, not the ~13 us of a view that keeps this result alive (tensors()).
+        views = [self._transient_view(chunk) for chunk in self.chunks]
         if not views:
             return None
         if out is None:
@@ -133,6 +135,13 @@ class LoadResult:
         chunks, self.chunks = self.chunks, []
         self._released = True
         return chunks
+
+    @staticmethod
+    def _transient_view(loaded: LoadedChunk) -> torch.Tensor:
+        meta, decoded = loaded.chunk.meta, loaded.chunk
+        start = decoded.payload_offset
+        raw = loaded.handle.tensor[start : start + len(decoded.payload)]
+        return raw.view(torch_dtype(meta.dtype)).view(meta.shape)
 
     def _view(self, loaded: LoadedChunk) -> torch.Tensor:
         loaded.handle.check("a loaded chunk")  # a lease that ended is never read

@@ -62,8 +62,9 @@ class SidecarConfig(Section):
     """Open sessions at once (one per client process and namespace)."""
     max_message_bytes: Size = 8 * 1024**2
     """The largest gRPC message accepted (bigger ones: RESOURCE_EXHAUSTED)."""
-    stream_piece_bytes: Size = 1024**2
-    """Bytes of chunk data per message on the streaming calls."""
+    stream_piece_bytes: Size = 4 * 1024**2
+    """Most bytes of chunk data per message on the streaming calls (a chunk is cut
+    into equal pieces: a 2 MiB chunk travels whole)."""
 
     @model_validator(mode="after")
     def _pairs(self) -> SidecarConfig:

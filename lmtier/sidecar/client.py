@@ -20,9 +20,10 @@ Evictions happen in the sidecar; this process's evict listeners are never called
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -30,82 +31,31 @@ import grpc
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey, Namespace
 from lmtier.config import LMTierConfig, Secret
-from lmtier.errors import CacheClosedError, HandleError, InvalidRequestError
+from lmtier.errors import CacheClosedError, InvalidRequestError
 from lmtier.kv_spec import KVSpec
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
+from lmtier.sidecar.pieces import PIECE_BYTES, decode_piece, encode_piece, piece_offsets
+from lmtier.sidecar.slabs import LEASE_MARGIN, RemoteSlab
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 from lmtier.storage.manager import EvictListener
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["RemoteSlab", "SidecarClient"]
+__all__ = ["SidecarClient"]
 
 logger = logging.getLogger(__name__)
 
-LEASE_MARGIN = 0.9
-"""Part of a lease's life this client uses: it stops touching a slab well before the
-sidecar may reclaim it."""
 MAX_NAMESPACES = 1024
-
-
-class RemoteSlab(SlabHandle):
-    """A lease on a slab of the sidecar's shared pool (module docstring). One owner:
-    :meth:`share` is refused; :meth:`release` queues the end of the lease."""
-
-    __slots__ = ("_connection", "_deadline", "_lease", "_session")
-
-    def __init__(
-        self,
-        pool: HostPool,
-        index: int,
-        *,
-        lease: int,
-        session: ClientSession,
-        connection: Connection,
-        deadline: float,
-    ) -> None:
-        super().__init__(pool, index)
-        self._lease = lease
-        self._session = session
-        self._connection = connection
-        self._deadline = deadline
-
-    @property
-    def lease(self) -> int:
-        return self._lease
-
-    @property
-    def session(self) -> ClientSession:
-        return self._session
-
-    @property
-    def refcount(self) -> int:
-        return 0 if self._released else 1
-
-    def share(self) -> SlabHandle:
-        raise HandleError("a sidecar slab has one owner here: copy out of it instead")
-
-    def release(self) -> None:
-        if self._released:
-            raise HandleError(f"slab {self._index}: lease released twice")
-        self._released = True
-        self._connection.release(self._session, self._lease)
-
-    def handed_over(self) -> None:
-        """The sidecar took the slab (a commit): this lease ends without a release."""
-        self._released = True
-
-    def _check_usable(self, what: str) -> None:
-        super()._check_usable(what)
-        if time.monotonic() >= self._deadline:
-            raise HandleError(f"slab {self._index}: {what} used after its sidecar lease expired")
 
 
 class SidecarClient(LMTier):
     """The LMTier interface over a sidecar at ``target`` (module docstring). Build it
     with :meth:`LMTier.connect`."""
+
+    store_batch = 16
+    """Chunks per Commit: each is in flight while the next batch is copied."""
 
     def __init__(
         self,
@@ -231,6 +181,7 @@ class SidecarClient(LMTier):
                         pb.TierSpan(tier=s.tier, start=s.start, stop=s.stop) for s in lookup.spans
                     )
                 if session.pool is not None:
+                    request.release.extend(connection.take_releases(session))
                     chunks = self._load_shared(connection, session, request, keys)
                 else:
                     chunks = self._load_streamed(connection, request, keys)
@@ -274,11 +225,12 @@ class SidecarClient(LMTier):
         handles: list[SlabHandle] = []
         meta: list[tuple[int, str]] = []
         filled: list[int] = []
-        stream = connection.stub.LoadStream(
+        stream = connection.load_stream(
             request, timeout=connection.timeout_s, metadata=connection.metadata
         )
         try:
-            for piece in stream:
+            for raw in stream:
+                piece = decode_piece(raw)
                 if piece.offset == 0:
                     if len(handles) == len(keys) or not 0 < piece.total_length <= pool.slab_bytes:
                         break
@@ -295,6 +247,8 @@ class SidecarClient(LMTier):
                 filled[-1] = end
         except grpc.RpcError as exc:
             connection.failed(exc)
+        except ValueError as exc:  # a malformed piece: the rest is a miss
+            logger.warning("sidecar %s sent a malformed chunk piece: %s", self.target, exc)
         finally:
             stream.cancel()
         whole = next((i for i, f in enumerate(filled) if f != meta[i][0]), len(handles))
@@ -338,21 +292,47 @@ class SidecarClient(LMTier):
             return []
         try:
             session = connection.session(self.namespace())
+            return self._acquire(connection, session, count, None)[1]
         except SidecarUnavailable:
             return []
-        if session.pool is None:
-            pool = self._local_pool()
-            return [h for h in (pool.acquire() for _ in range(count)) if h is not None]
-        sent = time.monotonic()
+
+    def _reserve(
+        self, keys: Sequence[ChunkKey], skip: int | None, count: int
+    ) -> tuple[int, list[SlabHandle]]:
+        """One AcquireSlabs call: what the sidecar already holds, and the slabs."""
+        if not keys:
+            return 0, []
+        connection = self._conn()
         try:
-            reply = connection.call(
-                connection.stub.AcquireSlabs,
-                pb.AcquireSlabsRequest(session_id=session.id, count=count),
-            )
+            session = self._session_of(keys)
+            return self._acquire(connection, session, count, None if skip is not None else keys)
         except SidecarUnavailable:
-            return []
+            return len(keys), []  # nothing can be stored now: skip it all
+
+    def _acquire(
+        self,
+        connection: Connection,
+        session: ClientSession,
+        count: int,
+        keys: Sequence[ChunkKey] | None,
+    ) -> tuple[int, list[SlabHandle]]:
+        """Slabs to fill (the shared pool's, or this process's when streaming) and,
+        with ``keys``, how many leading keys the sidecar already holds."""
+        if session.pool is None:
+            present = 0 if keys is None else self._lookup(keys, local_only=True).num_chunks
+            if keys is not None:
+                count = min(count, len(keys) - present)
+            pool = self._local_pool()
+            return present, [h for h in (pool.acquire() for _ in range(count)) if h is not None]
+        request = pb.AcquireSlabsRequest(
+            session_id=session.id, count=count, release=connection.take_releases(session)
+        )
+        if keys is not None:
+            request.keys = b"".join(keys)
+        sent = time.monotonic()
+        reply = connection.call(connection.stub.AcquireSlabs, request)
         deadline = sent + session.info.lease_ttl_s * LEASE_MARGIN
-        return [
+        slabs: list[SlabHandle] = [
             RemoteSlab(
                 session.pool,
                 grant.slab,
@@ -363,44 +343,52 @@ class SidecarClient(LMTier):
             )
             for grant in reply.slabs
         ]
+        return reply.present, slabs
 
     def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
+        return self._hand_over(encoded)()
+
+    def _hand_over(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> Callable[[], int]:
+        """Commit shared slabs (in flight when this returns: :mod:`lmtier.storing`
+        copies the next batch meanwhile) and stream private ones; a function that waits
+        for the sidecar's answers and says how many it stored."""
         connection = self._conn()
-        if not encoded:
-            return 0
-        stored = 0
+        waits: list[Callable[[], int]] = []
         try:
             for digest in {key[:16] for key, _, _ in encoded}:  # the sidecar must know each
                 connection.session(self._namespace_of(digest))
             shared = [item for item in encoded if isinstance(item[1], RemoteSlab)]
             local = [item for item in encoded if not isinstance(item[1], RemoteSlab)]
-            stored += self._commit(connection, shared)
-            stored += self._stream_store(connection, local)
+            waits.extend(self._commit(connection, shared))
+            streamed = self._stream_store(connection, local)
+            waits.append(lambda: streamed)
         except SidecarUnavailable:
             pass
         finally:
             for _, handle, _ in encoded:
                 if not handle.released:
                     handle.release()
-        return stored
+        return lambda: sum(wait() for wait in waits)
 
     def _commit(
         self, connection: Connection, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
-    ) -> int:
+    ) -> list[Callable[[], int]]:
         by_session: dict[ClientSession, list[tuple[ChunkKey, RemoteSlab, int]]] = {}
         for key, handle, length in items:
             assert isinstance(handle, RemoteSlab)
             by_session.setdefault(handle.session, []).append((key, handle, length))
-        stored = 0
+        waits: list[Callable[[], int]] = []
         for session, group in by_session.items():
             request = pb.CommitRequest(session_id=session.id)
             for key, handle, length in group:
                 request.chunks.add(lease=handle.lease, key=key, length=length)
-            reply = connection.call(connection.stub.Commit, request)
+            future = connection.stub.Commit.future(
+                request, timeout=connection.timeout_s, metadata=connection.metadata
+            )
             for _, handle, _ in group:
-                handle.handed_over()
-            stored += reply.stored
-        return stored
+                handle.handed_over()  # the sidecar's now: never touched here again
+            waits.append(functools.partial(_stored, connection, future))
+        return waits
 
     def _stream_store(
         self, connection: Connection, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
@@ -408,22 +396,28 @@ class SidecarClient(LMTier):
         if not items:
             return 0
         session = self._session_of([items[0][0]])
-        piece = 1024**2
+        piece = PIECE_BYTES
 
-        def pieces() -> Iterator[pb.ChunkPiece]:
+        def pieces() -> Iterator[bytes]:
             first = True
             for key, handle, length in items:
                 view = handle.view
-                for offset in range(0, length, piece):
-                    data = bytes(view[offset : min(offset + piece, length)])
-                    message = pb.ChunkPiece(offset=offset, data=data)
-                    if offset == 0:
-                        message.key, message.total_length = key, length
-                    if first:
-                        message.session_id, first = session.id, False
-                    yield message
+                offsets, step = piece_offsets(length, piece)
+                for offset in offsets:
+                    data = view[offset : min(offset + step, length)]
+                    if offset:
+                        yield encode_piece(data, offset)
+                        continue
+                    yield encode_piece(
+                        data,
+                        0,
+                        key=key,
+                        total_length=length,
+                        session_id=session.id if first else b"",
+                    )
+                    first = False
 
-        reply = connection.call(connection.stub.StoreStream, pieces())
+        reply = connection.call(connection.store_stream, pieces())
         return int(reply.stored)
 
     # ---- the rest ------------------------------------------------------------------
@@ -489,3 +483,12 @@ class SidecarClient(LMTier):
         session = connection.session(self.namespace(cache_salt))
         reply = connection.call(connection.stub.Purge, pb.PurgeRequest(session_id=session.id))
         return dict(reply.deleted)
+
+
+def _stored(connection: Connection, future: Any) -> int:
+    """What a Commit in flight stored (0 if it failed: a miss, and the breaker knows)."""
+    try:
+        return int(future.result().stored)
+    except grpc.RpcError as exc:
+        connection.failed(exc)
+        return 0

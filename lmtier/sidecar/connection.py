@@ -13,9 +13,10 @@ Sessions: one ``OpenSession`` stream per namespace (model, geometry, rank, salt)
 opened on first use and watched by a daemon thread; when the stream ends (the
 sidecar drained or died) the session is dropped and the next call reopens it.
 
-Releases: ending a lease is queued by the releasing thread and sent by one sender
-thread in batches, so an engine thread never waits for a round trip to give slabs
-back.
+Releases: ending a lease is queued by the releasing thread; the session's next Load
+or AcquireSlabs carries it, or, when none comes within a few milliseconds, one
+sender thread sends a Release; an engine thread never waits for a round trip to
+give slabs back, and a busy one makes no extra calls for it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 5.0
+RELEASE_DELAY_S = 0.005
+"""How long ended leases wait for a Load or AcquireSlabs to carry them before a
+Release call of their own is sent."""
 MAX_MESSAGE_BYTES = 64 * 1024**2
 _MISSES = frozenset(
     {
@@ -112,6 +116,18 @@ class Connection:
         else:
             self._channel = grpc.secure_channel(target, credentials, options=options)
         self.stub = pb_grpc.SidecarStub(self._channel)  # type: ignore[no-untyped-call]
+        # The chunk pieces of the streaming calls are bytes that lmtier.sidecar.pieces
+        # encodes and parses: one copy of the KV each way instead of two.
+        self.load_stream = self._channel.unary_stream(
+            "/lmtier.v1.Sidecar/LoadStream",
+            request_serializer=pb.LoadRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self.store_stream = self._channel.stream_unary(
+            "/lmtier.v1.Sidecar/StoreStream",
+            request_serializer=None,
+            response_deserializer=pb.StoreReply.FromString,
+        )
         self.metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token.reveal()}"),) if token is not None else ()
         )
@@ -277,11 +293,20 @@ class Connection:
             self._pending.add(session)
             self._wake.notify()
 
+    def take_releases(self, session: ClientSession) -> list[int]:
+        """The leases of ``session`` waiting to be ended, for a call that ends them
+        itself (a Load or AcquireSlabs carries them: no Release call of its own)."""
+        with self._lock:
+            leases, session.releases = session.releases, []
+            return leases
+
     def _send_releases(self) -> None:
         while True:
             with self._lock:
                 while not self._pending and not self._closed:
                     self._wake.wait()
+                if not self._closed:  # let a call that follows at once carry them
+                    self._wake.wait(RELEASE_DELAY_S)
                 batch = [(s, s.releases) for s in self._pending]
                 for session, _ in batch:
                     session.releases = []

@@ -47,7 +47,7 @@ from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import open_host_pool
 from lmtier.storage.plugins import open_tiers
-from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.v1 import sidecar_pb2 as pb
 
 __all__ = ["SERVICE_NAME", "Sidecar"]
 
@@ -146,7 +146,7 @@ class Sidecar:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         server = grpc.aio.server(options=options)
-        pb_grpc.add_SidecarServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+        server.add_generic_rpc_handlers((method_handlers(service),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         credentials = server_credentials(side)
         address = self.address
@@ -236,6 +236,29 @@ class Sidecar:
     async def wait_closed(self) -> None:
         """Until :meth:`drain` has finished."""
         await self._closed.wait()
+
+
+def method_handlers(service: SidecarService) -> grpc.GenericRpcHandler:
+    """The handlers of ``lmtier.v1.Sidecar``, built from its descriptor: protobuf
+    (de)serializers for every message but the chunk pieces of ``LoadStream`` and
+    ``StoreStream``, which travel as bytes that :mod:`lmtier.sidecar.pieces` encodes
+    and parses (one copy of the chunk's bytes each way)."""
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Sidecar"].methods:
+        request, reply = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(service, method.name),
+            request_deserializer=None if method.name == "StoreStream" else request.FromString,
+            response_serializer=None if method.name == "LoadStream" else reply.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 def _queue_depths(manager: StorageManager) -> dict[str, dict[str, float]]:

@@ -35,6 +35,7 @@ from lmtier.sidecar.namespaces import (
     SessionSpace,
     parse_keys,
 )
+from lmtier.sidecar.pieces import Piece, decode_piece, encode_piece, piece_offsets
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import Draining, NotOffered, status_of
@@ -270,26 +271,24 @@ class SidecarService(pb_grpc.SidecarServicer):
     @_streaming
     async def LoadStream(
         self, request: pb.LoadRequest, principal: Principal, context: Any
-    ) -> AsyncIterator[pb.ChunkPiece]:
+    ) -> AsyncIterator[bytes]:
+        """Yields serialized ``ChunkPiece`` messages (:mod:`.pieces`)."""
         session = self._session(request.session_id, principal)
         chunks = await self._get(session, request)
-        piece = self._piece
         try:
             for loaded in chunks:
                 decoded = loaded.chunk
                 length = decoded.payload_offset + len(decoded.payload)
                 view = loaded.handle.view
-                for offset in range(0, length, piece):
-                    message = pb.ChunkPiece(
-                        offset=offset, data=bytes(view[offset : min(offset + piece, length)])
-                    )
-                    if offset == 0:
-                        message.key, message.total_length, message.tier = (
-                            loaded.key,
-                            length,
-                            loaded.tier,
+                offsets, step = piece_offsets(length, self._piece)
+                for offset in offsets:
+                    data = view[offset : min(offset + step, length)]
+                    if offset:
+                        yield encode_piece(data, offset)
+                    else:
+                        yield encode_piece(
+                            data, 0, key=loaded.key, total_length=length, tier=loaded.tier
                         )
-                    yield message
                 loaded.release()
         finally:
             for loaded in chunks:
@@ -307,13 +306,17 @@ class SidecarService(pb_grpc.SidecarServicer):
             raise NotOffered("this session has no shared memory: use StoreStream")
         sessions = self.parts.sessions
         sessions.release(session, request.release)
-        count = min(request.count, self.parts.pool.num_slabs)
+        count, present = min(request.count, self.parts.pool.num_slabs), 0
+        if request.keys:
+            keys = parse_keys(request.keys, session.space.digest)
+            present = self.parts.manager.lookup_local(keys).num_chunks
+            count = min(count, len(keys) - present)
         if count == 0:
-            return pb.AcquireSlabsReply()
+            return pb.AcquireSlabsReply(present=present)
         handles = self.parts.manager.acquire_slabs(count, True)
         if not handles:
             raise CapacityError("no free slab: every slab is held by readers and pending writes")
-        reply = pb.AcquireSlabsReply()
+        reply = pb.AcquireSlabsReply(present=present)
         for at, handle in enumerate(handles):
             try:
                 lease = sessions.grant(session, handle, writable=True)
@@ -368,7 +371,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             raise InvalidRequestError(f"chunk {index}: not of its namespace's KV geometry")
 
     async def StoreStream(
-        self, request_iterator: AsyncIterator[pb.ChunkPiece], context: Any
+        self, request_iterator: AsyncIterator[bytes], context: Any
     ) -> pb.StoreReply:
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
@@ -381,13 +384,14 @@ class SidecarService(pb_grpc.SidecarServicer):
             self.parts.metrics.observe_call("StoreStream", time.perf_counter() - started, code.name)
 
     async def _store_stream(
-        self, pieces: AsyncIterator[pb.ChunkPiece], principal: Principal
+        self, pieces: AsyncIterator[bytes], principal: Principal
     ) -> pb.StoreReply:
         session: Session | None = None
         stored = dropped = 0
         key, handle, length, filled = ChunkKey(b""), None, 0, 0
         try:
-            async for piece in pieces:
+            async for raw in pieces:
+                piece = _parsed(raw)
                 if session is None:
                     session = self._session(piece.session_id, principal)
                 if filled == length:  # a new chunk starts
@@ -465,6 +469,13 @@ class SidecarService(pb_grpc.SidecarServicer):
         session = self._session(request.session_id, principal)
         deleted = await self.parts.manager.purge(session.space.digest)
         return pb.PurgeReply(deleted={k: v for k, v in deleted.items() if v >= 0})
+
+
+def _parsed(raw: bytes) -> Piece:
+    try:
+        return decode_piece(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(f"a malformed chunk piece: {exc}") from None
 
 
 def _spans_to_wire(spans: Sequence[TierSpan]) -> list[pb.TierSpan]:

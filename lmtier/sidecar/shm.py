@@ -97,7 +97,10 @@ class SharedRegion:
                 raise OSError(f"{path} is not a shared host pool of {size} bytes")
             if info.st_uid != os.getuid() or info.st_mode & 0o077:
                 raise OSError(f"{path} is not owned by this user with mode 0600")
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every page now (~0.15 s per GiB here): without it each
+            # slab's first use page-faults, and a first store ran at a quarter speed.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return cls(path, size, mapping, owner=False)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lmtier/v1/sidecar.proto\x12\tlmtier.v1\"\xe0\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\nchunk_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x12\n\ncache_salt\x18\x0b \x01(\t\"i\n\x12OpenSessionRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.lmtier.v1.Namespace\x12\x15\n\rshared_memory\x18\x02 \x01(\x08\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"\x81\x01\n\x0cSharedMemory\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x19\n\x11\x66irst_slab_offset\x18\x03 \x01(\x04\x12\x13\n\x0bslab_stride\x18\x04 \x01(\x04\x12\x12\n\nslab_bytes\x18\x05 \x01(\x04\x12\x11\n\tnum_slabs\x18\x06 \x01(\r\"\xbf\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x03 \x01(\t\x12$\n\x03shm\x18\x04 \x01(\x0b\x32\x17.lmtier.v1.SharedMemory\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x01\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\"U\n\x0cSessionEvent\x12(\n\x06opened\x18\x01 \x01(\x0b\x32\x16.lmtier.v1.SessionInfoH\x00\x12\x12\n\x08\x64raining\x18\x02 \x01(\tH\x00\x42\x07\n\x05\x65vent\"5\n\x08TierSpan\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x01(\r\"\x8b\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.TokenIdsH\x00\x12\x0e\n\x04keys\x18\x03 \x01(\x0cH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\x42\x07\n\x05query\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"S\n\x0bLookupReply\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\"\n\x05spans\x18\x02 \x03(\x0b\x32\x13.lmtier.v1.TierSpan\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"\xab\x01\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.TokenIdsH\x00\x12\x0e\n\x04keys\x18\x03 \x01(\x0cH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12#\n\x06lookup\x18\x05 \x03(\x0b\x32\x13.lmtier.v1.TierSpan\x12\x0f\n\x07release\x18\x06 \x03(\x06\x42\x07\n\x05query\"G\n\nLoadedSlab\x12\r\n\x05lease\x18\x01 \x01(\x06\x12\x0c\n\x04slab\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\"2\n\tLoadReply\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.lmtier.v1.LoadedSlab\"o\n\nChunkPiece\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04tier\x18\x06 \x01(\t\"I\n\x13\x41\x63quireSlabsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0f\n\x07release\x18\x03 \x03(\x06\"(\n\tSlabGrant\x12\r\n\x05lease\x18\x01 \x01(\x06\x12\x0c\n\x04slab\x18\x02 \x01(\r\"8\n\x11\x41\x63quireSlabsReply\x12#\n\x05slabs\x18\x01 \x03(\x0b\x32\x14.lmtier.v1.SlabGrant\"M\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.lmtier.v1.CommittedSlab\";\n\rCommittedSlab\x12\r\n\x05lease\x18\x01 \x01(\x06\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\"-\n\nStoreReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"4\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0e\n\x06leases\x18\x02 \x03(\x06\"\x0e\n\x0cReleaseReply\"5\n\x0c\x46lushRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x1a\n\nFlushReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\"\"\n\x0cStatsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"j\n\x08\x43ounters\x12/\n\x06values\x18\x01 \x03(\x0b\x32\x1f.lmtier.v1.Counters.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa6\x01\n\nStatsReply\x12/\n\x05tiers\x18\x01 \x03(\x0b\x32 .lmtier.v1.StatsReply.TiersEntry\x12$\n\x07sidecar\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.Counters\x1a\x41\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.Counters:\x02\x38\x01\"\"\n\x0cPurgeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"q\n\nPurgeReply\x12\x33\n\x07\x64\x65leted\x18\x01 \x03(\x0b\x32\".lmtier.v1.PurgeReply.DeletedEntry\x1a.\n\x0c\x44\x65letedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xb5\x05\n\x07Sidecar\x12G\n\x0bOpenSession\x12\x1d.lmtier.v1.OpenSessionRequest\x1a\x17.lmtier.v1.SessionEvent0\x01\x12:\n\x06Lookup\x12\x18.lmtier.v1.LookupRequest\x1a\x16.lmtier.v1.LookupReply\x12\x34\n\x04Load\x12\x16.lmtier.v1.LoadRequest\x1a\x14.lmtier.v1.LoadReply\x12=\n\nLoadStream\x12\x16.lmtier.v1.LoadRequest\x1a\x15.lmtier.v1.ChunkPiece0\x01\x12L\n\x0c\x41\x63quireSlabs\x12\x1e.lmtier.v1.AcquireSlabsRequest\x1a\x1c.lmtier.v1.AcquireSlabsReply\x12\x39\n\x06\x43ommit\x12\x18.lmtier.v1.CommitRequest\x1a\x15.lmtier.v1.StoreReply\x12=\n\x0bStoreStream\x12\x15.lmtier.v1.ChunkPiece\x1a\x15.lmtier.v1.StoreReply(\x01\x12=\n\x07Release\x12\x19.lmtier.v1.ReleaseRequest\x1a\x17.lmtier.v1.ReleaseReply\x12\x37\n\x05\x46lush\x12\x17.lmtier.v1.FlushRequest\x1a\x15.lmtier.v1.FlushReply\x12\x37\n\x05Stats\x12\x17.lmtier.v1.StatsRequest\x1a\x15.lmtier.v1.StatsReply\x12\x37\n\x05Purge\x12\x17.lmtier.v1.PurgeRequest\x1a\x15.lmtier.v1.PurgeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17lmtier/v1/sidecar.proto\x12\tlmtier.v1\"\xe0\x01\n\tNamespace\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\nchunk_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x12\n\ncache_salt\x18\x0b \x01(\t\"i\n\x12OpenSessionRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.lmtier.v1.Namespace\x12\x15\n\rshared_memory\x18\x02 \x01(\x08\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"\x81\x01\n\x0cSharedMemory\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x19\n\x11\x66irst_slab_offset\x18\x03 \x01(\x04\x12\x13\n\x0bslab_stride\x18\x04 \x01(\x04\x12\x12\n\nslab_bytes\x18\x05 \x01(\x04\x12\x11\n\tnum_slabs\x18\x06 \x01(\r\"\xbf\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x16\n\x0ehash_algorithm\x18\x03 \x01(\t\x12$\n\x03shm\x18\x04 \x01(\x0b\x32\x17.lmtier.v1.SharedMemory\x12\x13\n\x0blease_ttl_s\x18\x05 \x01(\x01\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\"U\n\x0cSessionEvent\x12(\n\x06opened\x18\x01 \x01(\x0b\x32\x16.lmtier.v1.SessionInfoH\x00\x12\x12\n\x08\x64raining\x18\x02 \x01(\tH\x00\x42\x07\n\x05\x65vent\"5\n\x08TierSpan\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x01(\r\"\x8b\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.TokenIdsH\x00\x12\x0e\n\x04keys\x18\x03 \x01(\x0cH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\x42\x07\n\x05query\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"S\n\x0bLookupReply\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\"\n\x05spans\x18\x02 \x03(\x0b\x32\x13.lmtier.v1.TierSpan\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\"\xab\x01\n\x0bLoadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12%\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.TokenIdsH\x00\x12\x0e\n\x04keys\x18\x03 \x01(\x0cH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12#\n\x06lookup\x18\x05 \x03(\x0b\x32\x13.lmtier.v1.TierSpan\x12\x0f\n\x07release\x18\x06 \x03(\x06\x42\x07\n\x05query\"G\n\nLoadedSlab\x12\r\n\x05lease\x18\x01 \x01(\x06\x12\x0c\n\x04slab\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\"2\n\tLoadReply\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.lmtier.v1.LoadedSlab\"o\n\nChunkPiece\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0c\n\x04tier\x18\x06 \x01(\t\"W\n\x13\x41\x63quireSlabsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0f\n\x07release\x18\x03 \x03(\x06\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\"(\n\tSlabGrant\x12\r\n\x05lease\x18\x01 \x01(\x06\x12\x0c\n\x04slab\x18\x02 \x01(\r\"I\n\x11\x41\x63quireSlabsReply\x12#\n\x05slabs\x18\x01 \x03(\x0b\x32\x14.lmtier.v1.SlabGrant\x12\x0f\n\x07present\x18\x02 \x01(\r\"M\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.lmtier.v1.CommittedSlab\";\n\rCommittedSlab\x12\r\n\x05lease\x18\x01 \x01(\x06\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x0e\n\x06length\x18\x03 \x01(\x04\"-\n\nStoreReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"4\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0e\n\x06leases\x18\x02 \x03(\x06\"\x0e\n\x0cReleaseReply\"5\n\x0c\x46lushRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x1a\n\nFlushReply\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\"\"\n\x0cStatsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"j\n\x08\x43ounters\x12/\n\x06values\x18\x01 \x03(\x0b\x32\x1f.lmtier.v1.Counters.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa6\x01\n\nStatsReply\x12/\n\x05tiers\x18\x01 \x03(\x0b\x32 .lmtier.v1.StatsReply.TiersEntry\x12$\n\x07sidecar\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.Counters\x1a\x41\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\"\n\x05value\x18\x02 \x01(\x0b\x32\x13.lmtier.v1.Counters:\x02\x38\x01\"\"\n\x0cPurgeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"q\n\nPurgeReply\x12\x33\n\x07\x64\x65leted\x18\x01 \x03(\x0b\x32\".lmtier.v1.PurgeReply.DeletedEntry\x1a.\n\x0c\x44\x65letedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xb5\x05\n\x07Sidecar\x12G\n\x0bOpenSession\x12\x1d.lmtier.v1.OpenSessionRequest\x1a\x17.lmtier.v1.SessionEvent0\x01\x12:\n\x06Lookup\x12\x18.lmtier.v1.LookupRequest\x1a\x16.lmtier.v1.LookupReply\x12\x34\n\x04Load\x12\x16.lmtier.v1.LoadRequest\x1a\x14.lmtier.v1.LoadReply\x12=\n\nLoadStream\x12\x16.lmtier.v1.LoadRequest\x1a\x15.lmtier.v1.ChunkPiece0\x01\x12L\n\x0c\x41\x63quireSlabs\x12\x1e.lmtier.v1.AcquireSlabsRequest\x1a\x1c.lmtier.v1.AcquireSlabsReply\x12\x39\n\x06\x43ommit\x12\x18.lmtier.v1.CommitRequest\x1a\x15.lmtier.v1.StoreReply\x12=\n\x0bStoreStream\x12\x15.lmtier.v1.ChunkPiece\x1a\x15.lmtier.v1.StoreReply(\x01\x12=\n\x07Release\x12\x19.lmtier.v1.ReleaseRequest\x1a\x17.lmtier.v1.ReleaseReply\x12\x37\n\x05\x46lush\x12\x17.lmtier.v1.FlushRequest\x1a\x15.lmtier.v1.FlushReply\x12\x37\n\x05Stats\x12\x17.lmtier.v1.StatsRequest\x1a\x15.lmtier.v1.StatsReply\x12\x37\n\x05Purge\x12\x17.lmtier.v1.PurgeRequest\x1a\x15.lmtier.v1.PurgeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -64,41 +64,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNKPIECE']._serialized_start=1391
   _globals['_CHUNKPIECE']._serialized_end=1502
   _globals['_ACQUIRESLABSREQUEST']._serialized_start=1504
-  _globals['_ACQUIRESLABSREQUEST']._serialized_end=1577
-  _globals['_SLABGRANT']._serialized_start=1579
-  _globals['_SLABGRANT']._serialized_end=1619
-  _globals['_ACQUIRESLABSREPLY']._serialized_start=1621
-  _globals['_ACQUIRESLABSREPLY']._serialized_end=1677
-  _globals['_COMMITREQUEST']._serialized_start=1679
-  _globals['_COMMITREQUEST']._serialized_end=1756
-  _globals['_COMMITTEDSLAB']._serialized_start=1758
-  _globals['_COMMITTEDSLAB']._serialized_end=1817
-  _globals['_STOREREPLY']._serialized_start=1819
-  _globals['_STOREREPLY']._serialized_end=1864
-  _globals['_RELEASEREQUEST']._serialized_start=1866
-  _globals['_RELEASEREQUEST']._serialized_end=1918
-  _globals['_RELEASEREPLY']._serialized_start=1920
-  _globals['_RELEASEREPLY']._serialized_end=1934
-  _globals['_FLUSHREQUEST']._serialized_start=1936
-  _globals['_FLUSHREQUEST']._serialized_end=1989
-  _globals['_FLUSHREPLY']._serialized_start=1991
-  _globals['_FLUSHREPLY']._serialized_end=2017
-  _globals['_STATSREQUEST']._serialized_start=2019
-  _globals['_STATSREQUEST']._serialized_end=2053
-  _globals['_COUNTERS']._serialized_start=2055
-  _globals['_COUNTERS']._serialized_end=2161
-  _globals['_COUNTERS_VALUESENTRY']._serialized_start=2116
-  _globals['_COUNTERS_VALUESENTRY']._serialized_end=2161
-  _globals['_STATSREPLY']._serialized_start=2164
-  _globals['_STATSREPLY']._serialized_end=2330
-  _globals['_STATSREPLY_TIERSENTRY']._serialized_start=2265
-  _globals['_STATSREPLY_TIERSENTRY']._serialized_end=2330
-  _globals['_PURGEREQUEST']._serialized_start=2332
-  _globals['_PURGEREQUEST']._serialized_end=2366
-  _globals['_PURGEREPLY']._serialized_start=2368
-  _globals['_PURGEREPLY']._serialized_end=2481
-  _globals['_PURGEREPLY_DELETEDENTRY']._serialized_start=2435
-  _globals['_PURGEREPLY_DELETEDENTRY']._serialized_end=2481
-  _globals['_SIDECAR']._serialized_start=2484
-  _globals['_SIDECAR']._serialized_end=3177
+  _globals['_ACQUIRESLABSREQUEST']._serialized_end=1591
+  _globals['_SLABGRANT']._serialized_start=1593
+  _globals['_SLABGRANT']._serialized_end=1633
+  _globals['_ACQUIRESLABSREPLY']._serialized_start=1635
+  _globals['_ACQUIRESLABSREPLY']._serialized_end=1708
+  _globals['_COMMITREQUEST']._serialized_start=1710
+  _globals['_COMMITREQUEST']._serialized_end=1787
+  _globals['_COMMITTEDSLAB']._serialized_start=1789
+  _globals['_COMMITTEDSLAB']._serialized_end=1848
+  _globals['_STOREREPLY']._serialized_start=1850
+  _globals['_STOREREPLY']._serialized_end=1895
+  _globals['_RELEASEREQUEST']._serialized_start=1897
+  _globals['_RELEASEREQUEST']._serialized_end=1949
+  _globals['_RELEASEREPLY']._serialized_start=1951
+  _globals['_RELEASEREPLY']._serialized_end=1965
+  _globals['_FLUSHREQUEST']._serialized_start=1967
+  _globals['_FLUSHREQUEST']._serialized_end=2020
+  _globals['_FLUSHREPLY']._serialized_start=2022
+  _globals['_FLUSHREPLY']._serialized_end=2048
+  _globals['_STATSREQUEST']._serialized_start=2050
+  _globals['_STATSREQUEST']._serialized_end=2084
+  _globals['_COUNTERS']._serialized_start=2086
+  _globals['_COUNTERS']._serialized_end=2192
+  _globals['_COUNTERS_VALUESENTRY']._serialized_start=2147
+  _globals['_COUNTERS_VALUESENTRY']._serialized_end=2192
+  _globals['_STATSREPLY']._serialized_start=2195
+  _globals['_STATSREPLY']._serialized_end=2361
+  _globals['_STATSREPLY_TIERSENTRY']._serialized_start=2296
+  _globals['_STATSREPLY_TIERSENTRY']._serialized_end=2361
+  _globals['_PURGEREQUEST']._serialized_start=2363
+  _globals['_PURGEREQUEST']._serialized_end=2397
+  _globals['_PURGEREPLY']._serialized_start=2399
+  _globals['_PURGEREPLY']._serialized_end=2512
+  _globals['_PURGEREPLY_DELETEDENTRY']._serialized_start=2466
+  _globals['_PURGEREPLY_DELETEDENTRY']._serialized_end=2512
+  _globals['_SIDECAR']._serialized_start=2515
+  _globals['_SIDECAR']._serialized_end=3208
 # @@protoc_insertion_point(module_scope)

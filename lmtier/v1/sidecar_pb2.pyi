@@ -175,14 +175,16 @@ class ChunkPiece(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., total_length: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class AcquireSlabsRequest(_message.Message):
-    __slots__ = ("session_id", "count", "release")
+    __slots__ = ("session_id", "count", "release", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     count: int
     release: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[bytes] = ..., count: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+    keys: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., count: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class SlabGrant(_message.Message):
     __slots__ = ("lease", "slab")
@@ -193,10 +195,12 @@ class SlabGrant(_message.Message):
     def __init__(self, lease: _Optional[int] = ..., slab: _Optional[int] = ...) -> None: ...
 
 class AcquireSlabsReply(_message.Message):
-    __slots__ = ("slabs",)
+    __slots__ = ("slabs", "present")
     SLABS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     slabs: _containers.RepeatedCompositeFieldContainer[SlabGrant]
-    def __init__(self, slabs: _Optional[_Iterable[_Union[SlabGrant, _Mapping]]] = ...) -> None: ...
+    present: int
+    def __init__(self, slabs: _Optional[_Iterable[_Union[SlabGrant, _Mapping]]] = ..., present: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "chunks")
