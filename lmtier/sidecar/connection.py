@@ -33,6 +33,7 @@ import grpc
 from lmtier.chunks.keys import Namespace
 from lmtier.config import Secret
 from lmtier.errors import InvalidRequestError
+from lmtier.sidecar.lane import LaneClient, LaneError
 from lmtier.sidecar.namespaces import to_wire
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
@@ -80,6 +81,8 @@ class ClientSession:
     call: Any
     pool: HostPool | None
     """The shared pool's slabs, mapped (None: this session streams)."""
+    lane: LaneClient | None = None
+    """The local lane for this session's data-path calls (None: gRPC)."""
     alive: bool = True
     releases: list[int] = field(default_factory=list)
 
@@ -134,6 +137,8 @@ class Connection:
         self._lock = threading.Lock()
         self._sessions: dict[bytes, ClientSession] = {}
         self._regions: dict[str, tuple[SharedRegion, HostPool]] = {}
+        self._lanes: dict[str, LaneClient] = {}
+        self._token = token
         self._breaker = CircuitBreaker(
             failure_threshold=1, reset_after_s=BACKOFF_FIRST_S, max_reset_after_s=BACKOFF_MAX_S
         )
@@ -236,7 +241,8 @@ class Connection:
                 f"version ({info.server_version}) keys chunks differently"
             )
         pool = self._map(info.shm) if info.HasField("shm") else None
-        session = ClientSession(info, call, pool)
+        lane = self._lane(info.lane) if pool is not None and info.lane else None
+        session = ClientSession(info, call, pool, lane)
         watcher = threading.Thread(target=self._watch, args=(session,), daemon=True)
         watcher.name = "lmtier-sidecar-session"
         watcher.start()
@@ -260,6 +266,31 @@ class Connection:
         with self._lock:
             self._regions[shm.path] = (region, pool)
         return pool
+
+    def _lane(self, path: str) -> LaneClient:
+        with self._lock:
+            lane = self._lanes.get(path)
+            if lane is None:
+                lane = self._lanes[path] = LaneClient(path, self._token, self.timeout_s)
+            return lane
+
+    def unary(self, session: ClientSession, name: str, request: Any) -> Any:
+        """One of the data-path calls (``Lookup``, ``Load``, ``AcquireSlabs``,
+        ``Commit``, ``Release``) of ``session``: on its lane when it has one, else
+        gRPC; failures as :meth:`call` says."""
+        lane = session.lane
+        if lane is None:
+            return self.call(getattr(self.stub, name), request)
+        try:
+            return lane.call(name, request)
+        except LaneError as exc:
+            if exc.sent or self._closed:
+                raise self.failed(exc) from None
+        # The lane cannot be reached but the sidecar may well be: this session goes on
+        # over gRPC (the request was never sent, so it cannot run twice).
+        logger.warning("sidecar lane %s unreachable: this session uses gRPC", lane.path)
+        session.lane = None
+        return self.call(getattr(self.stub, name), request)
 
     def _watch(self, session: ClientSession) -> None:
         """Follow a session's stream until it ends; then the session is dead."""
@@ -316,8 +347,8 @@ class Connection:
                 if session.alive and leases:
                     request = pb.ReleaseRequest(session_id=session.id, leases=leases)
                     try:
-                        self.stub.Release(request, timeout=self.timeout_s, metadata=self.metadata)
-                    except grpc.RpcError as exc:
+                        self.unary(session, "Release", request)
+                    except (SidecarUnavailable, InvalidRequestError) as exc:
                         logger.debug("release of %d lease(s) failed: %s", len(leases), exc)
             if closed:
                 return
@@ -334,6 +365,9 @@ class Connection:
         self._channel.close()
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.close()
         for region, pool in regions:
             pool.close()
             region.close()

@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from lmtier.chunks.integrity import load_key
 from lmtier.config import LMTierConfig
 from lmtier.sidecar.auth import Authenticator, server_credentials
+from lmtier.sidecar.lane import LaneServer, lane_path
 from lmtier.sidecar.listen import (
     ListenAddress,
     check_policy,
@@ -78,6 +79,7 @@ class Sidecar:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_server: MetricsServer | None = None
+        self._lane: LaneServer | None = None
         self._manager: StorageManager | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = asyncio.Event()
@@ -166,9 +168,24 @@ class Sidecar:
         if address.kind == "unix":
             assert address.path is not None
             secure_unix_socket(address.path)
+            if self.shm is not None:
+                await self._open_lane(service, address.path)
         self._server = server
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _open_lane(self, service: SidecarService, socket_path: Path) -> None:
+        """The local lane beside the socket (:mod:`lmtier.sidecar.lane`), 0600."""
+        path = lane_path(socket_path)
+        prepare_unix_socket(path)
+        lane = LaneServer(service, path, self.config.sidecar.max_message_bytes)
+        old_umask = os.umask(0o177)
+        try:
+            await lane.start()
+        finally:
+            os.umask(old_umask)
+        secure_unix_socket(path)
+        self._lane, service.lane = lane, str(path)
 
     async def _reap(self, sessions: Sessions) -> None:
         interval = min(1.0, sessions.lease_ttl_s / 4)
@@ -206,6 +223,8 @@ class Sidecar:
             service.draining = True
             for session in service.parts.sessions:
                 session.ended.set()
+        if self._lane is not None:
+            await self._lane.close()
         if server is not None:
             await server.stop(max(0.0, (deadline - time.monotonic()) / 2))
         for task in self._tasks:
@@ -220,6 +239,11 @@ class Sidecar:
         if service is not None:
             for session in service.parts.sessions:
                 service.parts.sessions.close(session)
+        self._release()
+        logger.info("lmtier sidecar stopped")
+
+    def _release(self) -> None:
+        """The last of a drain: metrics, the pool and its file, the socket."""
         if self._metrics_server is not None:
             self._metrics_server.close()
         self._pool.close()
@@ -227,7 +251,6 @@ class Sidecar:
         if self.address.kind == "unix" and self.address.path is not None:
             with contextlib.suppress(OSError):
                 Path(self.address.path).unlink()
-        logger.info("lmtier sidecar stopped")
 
     def _drop_shm(self) -> None:
         if self.shm is not None:

@@ -112,6 +112,8 @@ class SidecarService(pb_grpc.SidecarServicer):
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
         self.draining = False
+        self.lane = ""
+        """The lane's socket path, offered to shared-memory sessions (:mod:`.lane`)."""
         self._piece = parts.config.sidecar.stream_piece_bytes
 
     def _admit(self, context: Any) -> Principal:
@@ -177,6 +179,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             server_version=__version__,
         )
         if shm is not None:
+            info.lane = self.lane
             info.shm.CopyFrom(
                 pb.SharedMemory(
                     path=str(shm.path),

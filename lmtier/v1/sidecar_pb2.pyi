@@ -59,7 +59,7 @@ class SharedMemory(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., first_slab_offset: _Optional[int] = ..., slab_stride: _Optional[int] = ..., slab_bytes: _Optional[int] = ..., num_slabs: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "namespace_digest", "hash_algorithm", "shm", "lease_ttl_s", "max_chunk_bytes", "server_version")
+    __slots__ = ("session_id", "namespace_digest", "hash_algorithm", "shm", "lease_ttl_s", "max_chunk_bytes", "server_version", "lane")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class SessionInfo(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_digest: bytes
     hash_algorithm: str
@@ -74,7 +75,8 @@ class SessionInfo(_message.Message):
     lease_ttl_s: float
     max_chunk_bytes: int
     server_version: str
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_digest: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    lane: str
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_digest: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("opened", "draining")
