@@ -21,6 +21,7 @@ give slabs back, and a busy one makes no extra calls for it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -278,19 +279,32 @@ class Connection:
         """One of the data-path calls (``Lookup``, ``Load``, ``AcquireSlabs``,
         ``Commit``, ``Release``) of ``session``: on its lane when it has one, else
         gRPC; failures as :meth:`call` says."""
+        return self.start(session, name, request)()
+
+    def start(self, session: ClientSession, name: str, request: Any) -> Callable[[], Any]:
+        """:meth:`unary`, sent now, answered when the returned function is called (in
+        this thread): on the lane, later calls may be sent meanwhile."""
         lane = session.lane
-        if lane is None:
-            return self.call(getattr(self.stub, name), request)
+        if lane is not None:
+            try:
+                wait = lane.start(name, request)
+            except LaneError as exc:
+                if exc.sent or self._closed:
+                    raise self.failed(exc) from None
+                # The lane cannot be reached but the sidecar may well be: this session
+                # goes on over gRPC (nothing was sent, so nothing runs twice).
+                logger.warning("sidecar lane %s unreachable: this session uses gRPC", lane.path)
+                session.lane = None
+            else:
+                return functools.partial(self._answer, wait)
+        method = getattr(self.stub, name)
+        return functools.partial(self.call, method, request)
+
+    def _answer(self, wait: Callable[[], Any]) -> Any:
         try:
-            return lane.call(name, request)
+            return wait()
         except LaneError as exc:
-            if exc.sent or self._closed:
-                raise self.failed(exc) from None
-        # The lane cannot be reached but the sidecar may well be: this session goes on
-        # over gRPC (the request was never sent, so it cannot run twice).
-        logger.warning("sidecar lane %s unreachable: this session uses gRPC", lane.path)
-        session.lane = None
-        return self.call(getattr(self.stub, name), request)
+            raise self.failed(exc) from None
 
     def _watch(self, session: ClientSession) -> None:
         """Follow a session's stream until it ends; then the session is dead."""

@@ -27,6 +27,9 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -167,13 +170,14 @@ class LaneClient:
 
     def call(self, name: str, request: Any) -> Any:
         """The reply to ``request``; LaneError (UNAVAILABLE when the lane is gone)."""
-        number, _, reply_type = METHODS[name]
-        code, body = self._exchange(number, request.SerializeToString())
-        if code != grpc.StatusCode.OK:
-            raise LaneError(code, body.decode("utf-8", "replace"))
-        return reply_type.FromString(body)
+        return self.start(name, request)()
 
-    def _exchange(self, number: int, payload: bytes) -> tuple[grpc.StatusCode, bytes]:
+    def start(self, name: str, request: Any) -> Callable[[], Any]:
+        """Send ``request`` now and return a function that waits for its reply (call it
+        in this thread). Requests sent before are answered first, in order: a Commit
+        can be in flight while the next batch of KV is copied."""
+        number, _, reply_type = METHODS[name]
+        payload = request.SerializeToString()
         try:
             sock = self._socket()
         except OSError as exc:  # no lane there (refused, gone): nothing was sent
@@ -181,10 +185,41 @@ class LaneClient:
             raise LaneError(grpc.StatusCode.UNAVAILABLE, message, sent=False) from None
         try:
             sock.sendall(_HEADER.pack(len(payload), number) + payload)
-            return _receive(sock)
         except OSError as exc:  # reset, timed out, closed: it may have been done
-            self._drop()
+            self._fail(exc)
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}") from None
+        pending = _Pending()
+        self._local.queue.append(pending)
+
+        def wait() -> Any:
+            self._settle(sock, pending)
+            if pending.error is not None:
+                raise pending.error
+            assert pending.reply is not None  # settled: one or the other
+            code, body = pending.reply
+            if code != grpc.StatusCode.OK:
+                raise LaneError(code, body.decode("utf-8", "replace"))
+            return reply_type.FromString(body)
+
+        return wait
+
+    def _settle(self, sock: socket.socket, target: _Pending) -> None:
+        """Read replies in order until ``target``'s is in."""
+        queue: deque[_Pending] = self._local.queue
+        while target.reply is None and target.error is None:
+            head = queue.popleft()
+            try:
+                head.reply = _receive(sock)
+            except OSError as exc:
+                head.error = self._fail(exc)
+
+    def _fail(self, exc: OSError) -> LaneError:
+        """The connection broke: every reply still awaited on it fails too."""
+        error = LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}")
+        for pending in getattr(self._local, "queue", ()):
+            pending.error = error
+        self._drop()
+        return error
 
     def _socket(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._local, "sock", None)
@@ -202,14 +237,14 @@ class LaneClient:
         if code != grpc.StatusCode.OK:
             sock.close()
             raise LaneError(code, body.decode("utf-8", "replace"))
-        self._local.sock = sock
+        self._local.sock, self._local.queue = sock, deque()
         with self._lock:
             self._opened.add(sock)
         return sock
 
     def _drop(self) -> None:
         sock = getattr(self._local, "sock", None)
-        self._local.sock = None
+        self._local.sock, self._local.queue = None, deque()
         if sock is not None:
             with self._lock:
                 self._opened.discard(sock)
@@ -223,6 +258,14 @@ class LaneClient:
         for sock in opened:
             sock.close()
         self._local = threading.local()
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request sent on the lane whose reply has not been read yet."""
+
+    reply: tuple[grpc.StatusCode, bytes] | None = None
+    error: LaneError | None = None
 
 
 def _receive(sock: socket.socket) -> tuple[grpc.StatusCode, bytes]:
