@@ -25,6 +25,7 @@ is what lets a template exist and a MAC be filled in after packing.
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -244,6 +245,23 @@ class HeaderTemplate:
         """
         if len(key) != 2 * KEY_LEN or len(mac) != MAC_LEN:
             raise ValueError(f"a key is {2 * KEY_LEN} bytes and a MAC {MAC_LEN}")
+        out[: self.payload_offset] = self._render(key, ctime, checksum, mac, sealed)
+        return self.encoded_size
+
+    def frames(self, data: memoryview, key: bytes) -> bool:
+        """Whether ``data`` starts with exactly the unsealed header this template writes
+        for chunk ``key`` (at the time stamp ``data`` holds): a chunk framed by
+        :meth:`frame_into` is checked with one compare instead of a decode. False for
+        anything else (sealed, another geometry, damaged): decode it then."""
+        if len(key) != 2 * KEY_LEN or len(data) < self.encoded_size:
+            return False
+        (ctime,) = _F64.unpack_from(data, self._offsets["ctime"])
+        if not (math.isfinite(ctime) and ctime >= 0):
+            return False  # what a decode refuses, this never accepts
+        expected = self._render(key, ctime, 0, _NO_MAC, sealed=False)
+        return bool(data[: self.payload_offset] == expected)
+
+    def _render(self, key: bytes, ctime: float, checksum: int, mac: bytes, sealed: bool) -> bytes:
         buf = bytearray(self._blank)
         at = self._offsets
         buf[at["key"] : at["key"] + KEY_LEN] = key[KEY_LEN:]
@@ -263,8 +281,7 @@ class HeaderTemplate:
             0,
             xxhash.xxh3_64_intdigest(header),
         )
-        out[: self.payload_offset] = buf
-        return self.encoded_size
+        return bytes(buf)
 
 
 def seal_header(chunk: memoryview, sign: MacSigner | None = None) -> bytes | None:

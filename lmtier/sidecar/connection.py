@@ -335,8 +335,9 @@ class Connection:
         """Queue the end of ``lease`` (sent in the background; any thread)."""
         with self._lock:
             session.releases.append(lease)
-            self._pending.add(session)
-            self._wake.notify()
+            if session not in self._pending:  # the sender is woken once per batch
+                self._pending.add(session)
+                self._wake.notify()
 
     def take_releases(self, session: ClientSession) -> list[int]:
         """The leases of ``session`` waiting to be ended, for a call that ends them

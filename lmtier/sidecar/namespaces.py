@@ -10,18 +10,27 @@ no session has described is never served).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from lmtier.chunks.encoding import HeaderTemplate
 from lmtier.chunks.format import ChunkGeometry, DecodedChunk
 from lmtier.chunks.integrity import ChunkMac
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey, Namespace
 from lmtier.config import chunk_size_problem
 from lmtier.errors import InvalidRequestError, brief
-from lmtier.kv_spec import KVSpec
+from lmtier.kv_spec import ChunkFramer, KVSpec
 from lmtier.storage.check import ChunkCheck
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["DIGEST_BYTES", "MAX_NAMESPACES", "NamespaceCheck", "SessionSpace", "parse_keys"]
+__all__ = [
+    "DIGEST_BYTES",
+    "MAX_NAMESPACES",
+    "NamespaceCheck",
+    "SessionSpace",
+    "parse_keys",
+    "template_of",
+]
 
 DIGEST_BYTES = KEY_BYTES // 2
 MAX_NAMESPACES = 65536
@@ -101,6 +110,12 @@ class SessionSpace:
             cache_salt=message.cache_salt,
         )
         return cls(namespace, spec, message.chunk_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def template_of(space: SessionSpace) -> HeaderTemplate:
+    """The header template of ``space``'s full chunks (what clients frame them with)."""
+    return ChunkFramer(space.spec, space.chunk_size).template
 
 
 def to_wire(namespace: Namespace) -> pb.Namespace:
