@@ -35,7 +35,7 @@ from lmtier.errors import CacheClosedError, InvalidRequestError
 from lmtier.kv_spec import KVSpec
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
-from lmtier.sidecar.slabs import LEASE_MARGIN, RemoteSlab
+from lmtier.sidecar.slabs import LEASE_MARGIN, RemoteSlab, checked_chunks, leased_chunks
 from lmtier.sidecar.streaming import receive_chunks, send_chunks
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
@@ -48,6 +48,8 @@ __all__ = ["SidecarClient"]
 logger = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1024
+SUB_LOAD = 32
+"""Chunks per Load when a long load is pipelined on the lane."""
 
 
 class SidecarClient(LMTier):
@@ -196,52 +198,46 @@ class SidecarClient(LMTier):
         request: pb.LoadRequest,
         keys: Sequence[ChunkKey],
     ) -> list[LoadedChunk]:
-        pool = session.pool
-        assert pool is not None  # the caller checked
-        sent = time.monotonic()
-        reply = connection.unary(session, "Load", request)
-        deadline = sent + session.info.lease_ttl_s * LEASE_MARGIN
-        handles: list[SlabHandle] = []
-        for item in reply.chunks:
-            if len(handles) == len(keys) or item.slab >= pool.num_slabs:
-                connection.release(session, item.lease)  # not what was asked: give it back
-                continue
-            handles.append(
-                RemoteSlab(
-                    pool,
-                    item.slab,
-                    lease=item.lease,
-                    session=session,
-                    connection=connection,
-                    deadline=deadline,
+        """A load through shared memory. On the lane, a long one is asked as several
+        pipelined Loads (``SUB_LOAD`` chunks each), so this client checks one part's
+        chunks while the sidecar serves the next."""
+        parts = [(request, keys)]
+        if session.lane is not None and len(keys) > SUB_LOAD and not request.lookup:
+            parts = [
+                (
+                    pb.LoadRequest(session_id=session.id, keys=b"".join(keys[i : i + SUB_LOAD])),
+                    keys[i : i + SUB_LOAD],
                 )
+                for i in range(0, len(keys), SUB_LOAD)
+            ]
+            parts[0][0].release.extend(request.release)
+        sent = time.monotonic()
+        answers = [connection.start(session, "Load", part) for part, _ in parts]
+        deadline = sent + session.info.lease_ttl_s * LEASE_MARGIN
+        chunks: list[LoadedChunk] = []
+        complete = True
+        for (_, part_keys), answer in zip(parts, answers, strict=True):
+            try:
+                reply = answer()
+            except SidecarUnavailable:
+                complete = False  # the rest (if any come) is given back below
+                continue
+            if not complete:  # past the first miss: not part of the prefix
+                for item in reply.chunks:
+                    connection.release(session, item.lease)
+                continue
+            got = leased_chunks(
+                self._check, connection, session, part_keys, reply, deadline=deadline
             )
-        return self._checked(keys, handles, [(c.length, c.tier) for c in reply.chunks])
+            chunks += got
+            complete = len(got) == len(part_keys)
+        return chunks
 
     def _load_streamed(
         self, connection: Connection, request: pb.LoadRequest, keys: Sequence[ChunkKey]
     ) -> list[LoadedChunk]:
         handles, meta = receive_chunks(connection, request, self._local_pool(), len(keys))
-        return self._checked(keys, handles, meta)
-
-    def _checked(
-        self, keys: Sequence[ChunkKey], handles: Sequence[SlabHandle], meta: Sequence[Any]
-    ) -> list[LoadedChunk]:
-        """Loaded chunks that are what was asked for (header, key, geometry), up to the
-        first that is not; the rest are released."""
-        chunks: list[LoadedChunk] = []
-        for index, handle in enumerate(handles):
-            length, tier = meta[index]
-            chunk = (
-                self._check.header(keys[index], handle.view[:length])
-                if len(chunks) == index and length <= len(handle.view)
-                else None
-            )
-            if chunk is None:
-                handle.release()
-                continue
-            chunks.append(LoadedChunk(keys[index], tier, chunk, handle))
-        return chunks
+        return checked_chunks(self._check, keys, handles, meta)
 
     def _local_pool(self) -> HostPool:
         with self._lock:

@@ -10,12 +10,17 @@ releasing it tells the sidecar (queued, sent in the background), it has one owne
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.sidecar.connection import ClientSession, Connection
+from lmtier.storage.check import ChunkCheck
+from lmtier.storage.lookup import LoadedChunk
 from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["LEASE_MARGIN", "RemoteSlab"]
+__all__ = ["LEASE_MARGIN", "RemoteSlab", "checked_chunks", "leased_chunks"]
 
 LEASE_MARGIN = 0.9
 """Part of a lease's life this client uses: it stops touching a slab well before the
@@ -73,3 +78,63 @@ class RemoteSlab(SlabHandle):
         super()._check_usable(what)
         if time.monotonic() >= self._deadline:
             raise HandleError(f"slab {self._index}: {what} used after its sidecar lease expired")
+
+
+def leased_chunks(
+    check: ChunkCheck,
+    connection: Connection,
+    session: ClientSession,
+    keys: Sequence[ChunkKey],
+    reply: pb.LoadReply,
+    *,
+    deadline: float,
+) -> list[LoadedChunk]:
+    """The chunks a Load leased to ``session``, as :class:`RemoteSlab` leases, checked,
+    up to the first that is not what was asked; every other lease is given back."""
+    pool = session.pool
+    assert pool is not None  # a shared-memory session
+    handles: list[SlabHandle] = []
+    meta: list[tuple[int, str]] = []
+    for item in reply.chunks:
+        usable = item.slab < pool.num_slabs and len(handles) == len(meta)
+        if usable and len(handles) < len(keys):
+            lease, slab = item.lease, item.slab
+            handles.append(
+                RemoteSlab(
+                    pool,
+                    slab,
+                    lease=lease,
+                    session=session,
+                    connection=connection,
+                    deadline=deadline,
+                )
+            )
+            meta.append((item.length, item.tier))
+        else:
+            connection.release(session, item.lease)  # not what was asked: give it back
+            meta.append((0, ""))  # nothing after this one is kept
+    return checked_chunks(check, keys, handles, meta[: len(handles)])
+
+
+def checked_chunks(
+    check: ChunkCheck,
+    keys: Sequence[ChunkKey],
+    handles: Sequence[SlabHandle],
+    meta: Sequence[tuple[int, str]],
+) -> list[LoadedChunk]:
+    """Loaded chunks that are what was asked for (header, key, geometry), up to the
+    first that is not; the rest are released. ``meta``: each one's length and tier."""
+    chunks: list[LoadedChunk] = []
+    for index, handle in enumerate(handles):
+        length, tier = meta[index]
+        view = handle.view
+        chunk = (
+            check.header(keys[index], view[:length])
+            if len(chunks) == index and 0 < length <= len(view)
+            else None
+        )
+        if chunk is None:
+            handle.release()
+            continue
+        chunks.append(LoadedChunk(keys[index], tier, chunk, handle))
+    return chunks

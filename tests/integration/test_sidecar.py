@@ -21,6 +21,7 @@ import torch
 from sidecar_client import connect, digest, kv_of, prompt
 
 from lmtier import LMTier
+from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.testing.sidecar import SidecarProcess
 
@@ -242,3 +243,26 @@ def test_the_sidecar_hashes_token_ids_as_clients_do(
     session = connection.session(observer.namespace())
     request = pb.LookupRequest(session_id=session.id, tokens=pb.TokenIds(ids=ids))
     assert connection.stub.Lookup(request).keys == b"".join(observer.keys(ids))
+
+
+def test_a_long_load_is_pipelined_and_stops_at_the_first_miss(
+    tmp_path: Path,
+) -> None:
+    settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
+    with SidecarProcess(tmp_path / "sidecar", settings) as sidecar:
+        cache = connect(sidecar.target, stream=False)
+        try:
+            tokens = 100 * 256
+            ids, kv = prompt(12, tokens), kv_of(12, tokens)
+            assert cache.store(ids, kv) == 100
+            keys = cache.keys(ids)
+            with cache.load_keys(keys) as hit:  # 4 Loads of 32, 32, 32 and 4 chunks
+                assert hit.num_tokens == tokens
+                assert torch.equal(hit.kv(), kv)
+            holed = [*keys[:40], ChunkKey(keys[0][:16] + os.urandom(16)), *keys[41:]]
+            with cache.load_keys(holed) as hit:  # chunks after the hole are given back
+                assert hit.num_tokens == 40 * 256
+                assert torch.equal(hit.kv(), kv[:, :, : 40 * 256])
+            eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
+        finally:
+            cache.close()
