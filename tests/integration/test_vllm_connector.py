@@ -46,13 +46,11 @@ with warnings.catch_warnings():
         HEADS,
         LAYERS,
         PREFIX,
-        block_hasher,
+        SchedulerHalf,
         block_tokens,
         expected_tokens,
         kv_cache_config,
         lmtier_overrides,
-        make_request,
-        make_scheduler,
         make_vllm_config,
         worker_step,
         write_model_dir,
@@ -67,7 +65,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
-class Engine:
+class Engine(SchedulerHalf):
     """A real Scheduler with our connector, plus one worker connector on real tensors."""
 
     def __init__(
@@ -77,22 +75,10 @@ class Engine:
         worker_config: VllmConfig | None = None,
     ) -> None:
         config = kv_cache_config(layout)
-        self.scheduler = make_scheduler(vllm_config, config)
+        super().__init__(vllm_config, config)
         self.worker = LMTierConnector(worker_config or vllm_config, KVConnectorRole.WORKER, config)
         self.kv = allocate_kv_cache(config, torch.device("cpu"), layout)
         self.worker.register_kv_caches(self.kv)
-        self.hasher = block_hasher()
-
-    @property
-    def connector(self) -> LMTierConnector:
-        connector = self.scheduler.connector
-        assert isinstance(connector, LMTierConnector)
-        return connector
-
-    def add(self, req_id: str, tokens: list[int]) -> Request:
-        request = make_request(req_id, tokens, self.hasher)
-        self.scheduler.add_request(request)
-        return request
 
     def step(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
         """Schedule, then run the worker connector around a fake forward pass."""

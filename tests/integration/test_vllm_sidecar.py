@@ -36,16 +36,15 @@ with warnings.catch_warnings():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
     from vllm_helpers import (
         CHUNK,
         LAYERS,
         PREFIX,
+        SchedulerHalf,
         block_hasher,
         expected_tokens,
         kv_cache_config,
         make_request,
-        make_scheduler,
         make_vllm_config,
         write_model_dir,
     )
@@ -101,23 +100,11 @@ def token_file(tmp_path: Path) -> Path:
     return path
 
 
-class SchedulerSide:
+class SchedulerSide(SchedulerHalf):
     """vLLM's real Scheduler with our connector over the sidecar, in this process."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        self.scheduler = make_scheduler(vllm_config, kv_cache_config(KVCacheLayout.BLHNC))
-        self.hasher = block_hasher()
-
-    @property
-    def connector(self) -> LMTierConnector:
-        connector = self.scheduler.connector
-        assert isinstance(connector, LMTierConnector)
-        return connector
-
-    def add(self, req_id: str, tokens: list[int]) -> Request:
-        request = make_request(req_id, tokens, self.hasher)
-        self.scheduler.add_request(request)
-        return request
+        super().__init__(vllm_config, kv_cache_config(KVCacheLayout.BLHNC))
 
     def schedule(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
         out = self.scheduler.schedule()

@@ -150,6 +150,25 @@ def make_request(req_id: str, tokens: list[int], hasher: Callable[[Request], lis
     return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=hasher)
 
 
+class SchedulerHalf:
+    """vLLM's real Scheduler with our connector as its SCHEDULER half, in this process."""
+
+    def __init__(self, vllm_config: VllmConfig, config: KVCacheConfig) -> None:
+        self.scheduler = make_scheduler(vllm_config, config)
+        self.hasher = block_hasher()
+
+    @property
+    def connector(self) -> LMTierConnector:
+        connector = self.scheduler.connector
+        assert isinstance(connector, LMTierConnector)
+        return connector
+
+    def add(self, req_id: str, tokens: list[int]) -> Request:
+        request = make_request(req_id, tokens, self.hasher)
+        self.scheduler.add_request(request)
+        return request
+
+
 def expected_kv(token: int, pos: int, layer: int) -> torch.Tensor:
     """The KV the fake forward pass writes for ``token`` at ``pos`` in ``layer``."""
     gen = torch.Generator().manual_seed(pos * 7919 + token * 31 + layer)
