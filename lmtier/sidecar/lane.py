@@ -26,7 +26,6 @@ import logging
 import socket
 import struct
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from lmtier.config import Secret
-from lmtier.sidecar.status import Draining, status_of
+from lmtier.errors import InvalidRequestError
+from lmtier.sidecar.status import status_of
 from lmtier.v1 import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
@@ -115,25 +115,19 @@ class LaneServer:
     async def _call(
         self, method: int, payload: bytes, principal: Any
     ) -> tuple[grpc.StatusCode, bytes]:
-        found = _BY_NUMBER.get(method)
+        service, found = self.service, _BY_NUMBER.get(method)
         name = found[0] if found is not None else "unknown"
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
+
+        async def work() -> bytes:
             if found is None:
-                raise ValueError(f"no lane method {method}")
-            if self.service.draining:
-                raise Draining("the sidecar is draining: retry against its successor")
-            handler = getattr(type(self.service), name).__wrapped__
-            reply = await handler(self.service, found[1].FromString(payload), principal)
-            return code, reply.SerializeToString()
-        except ValueError as exc:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            return code, str(exc).encode()
-        except Exception as exc:
-            code, message = status_of(exc, name)
-            return code, message.encode()
-        finally:
-            self.service.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
+                raise InvalidRequestError(f"no lane method {method}")
+            service.check_serving()
+            handler = getattr(type(service), name).__wrapped__  # the body, not gRPC's wrapper
+            reply = await handler(service, found[1].FromString(payload), principal)
+            return bytes(reply.SerializeToString())
+
+        code, result = await service.answer(name, work())
+        return code, result if code is grpc.StatusCode.OK else str(result).encode()
 
 
 def _reply(writer: asyncio.StreamWriter, code: grpc.StatusCode, body: bytes) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmtier.errors import InvalidRequestError
+
 __all__ = ["PIECE_BYTES", "Piece", "decode_piece", "encode_piece", "piece_offsets"]
 
 PIECE_BYTES = 4 * 1024**2
@@ -99,7 +101,7 @@ def _read_varint(raw: memoryview, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if at >= len(raw) or shift > 63:
-            raise ValueError("a truncated or overlong varint")
+            raise InvalidRequestError("a malformed chunk piece: a truncated or overlong varint")
         byte = raw[at]
         at += 1
         value |= (byte & 0x7F) << shift
@@ -109,8 +111,8 @@ def _read_varint(raw: memoryview, at: int) -> tuple[int, int]:
 
 
 def decode_piece(raw: bytes | memoryview) -> Piece:
-    """Parse a serialized ``ChunkPiece``; ValueError for a malformed one. Unknown
-    fields are skipped, as protobuf does."""
+    """Parse a serialized ``ChunkPiece``; InvalidRequestError (a ValueError) for a
+    malformed one. Unknown fields are skipped, as protobuf does."""
     view = memoryview(raw)
     numbers: dict[int, int] = {}
     spans: dict[int, memoryview] = {}
@@ -126,9 +128,9 @@ def decode_piece(raw: bytes | memoryview) -> Piece:
         elif kind in _FIXED:
             at += _FIXED[kind]
         else:
-            raise ValueError(f"wire type {kind} is not valid here")
+            raise InvalidRequestError(f"a malformed chunk piece: wire type {kind} is not valid")
     if at != len(view):
-        raise ValueError("a field runs past the end of the message")
+        raise InvalidRequestError("a malformed chunk piece: a field runs past its end")
     return Piece(
         session_id=bytes(spans.get(_SESSION, _EMPTY)),
         key=bytes(spans.get(_KEY, _EMPTY)),

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,7 +36,7 @@ from lmtier.sidecar.namespaces import (
     parse_keys,
     template_of,
 )
-from lmtier.sidecar.pieces import Piece, decode_piece, encode_piece, piece_offsets
+from lmtier.sidecar.pieces import decode_piece, encode_piece, piece_offsets
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import Draining, NotOffered, status_of
@@ -71,19 +71,19 @@ class Parts:
 
 
 def _unary(method: Handler) -> Handler:
-    """A unary handler: admission, status codes, metrics (module docstring)."""
+    """A handler with one answer (unary, or client-streaming): admission, status codes
+    and metrics (:meth:`SidecarService.answer`)."""
     name = method.__name__
 
     @functools.wraps(method)
     async def handle(self: SidecarService, request: Any, context: Any) -> Any:
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
+        async def work() -> Any:
             return await method(self, request, self._admit(context))
-        except Exception as exc:  # every failure answers with a status, never a trace
-            code, message = status_of(exc, name)
-            await context.abort(code, message)
-        finally:
-            self.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
+
+        code, result = await self.answer(name, work())
+        if code is not grpc.StatusCode.OK:
+            await context.abort(code, result)
+        return result
 
     return handle
 
@@ -118,9 +118,26 @@ class SidecarService(pb_grpc.SidecarServicer):
         self._piece = parts.config.sidecar.stream_piece_bytes
 
     def _admit(self, context: Any) -> Principal:
+        self.check_serving()
+        return self.parts.auth.authenticate(context.invocation_metadata())
+
+    def check_serving(self) -> None:
+        """Draining (UNAVAILABLE) once the sidecar is shutting down."""
         if self.draining:
             raise Draining("the sidecar is draining: retry against its successor")
-        return self.parts.auth.authenticate(context.invocation_metadata())
+
+    async def answer(self, name: str, work: Awaitable[Any]) -> tuple[grpc.StatusCode, Any]:
+        """Run call ``name``'s work: (OK, its reply), or the status code and message of
+        its failure, never a trace; the call is timed and counted either way. The gRPC
+        handlers and the lane (:mod:`.lane`) answer through it."""
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return code, await work
+        except Exception as exc:
+            code, message = status_of(exc, name)
+            return code, message
+        finally:
+            self.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
 
     def _session(self, session_id: bytes, principal: Principal) -> Session:
         return self.parts.sessions.get(session_id, principal)
@@ -222,7 +239,8 @@ class SidecarService(pb_grpc.SidecarServicer):
             found = manager.lookup_local(keys)
         else:
             found = manager.lookup_now(keys) or await manager.lookup(keys)
-        reply = pb.LookupReply(num_chunks=found.num_chunks, spans=_spans_to_wire(found.spans))
+        spans = [pb.TierSpan(tier=s.tier, start=s.start, stop=s.stop) for s in found.spans]
+        reply = pb.LookupReply(num_chunks=found.num_chunks, spans=spans)
         if request.WhichOneof("query") == "tokens":
             reply.keys = b"".join(keys)
         return reply
@@ -377,20 +395,8 @@ class SidecarService(pb_grpc.SidecarServicer):
         if not space.geometry.matches(chunk.meta):
             raise InvalidRequestError(f"chunk {index}: not of its namespace's KV geometry")
 
+    @_unary
     async def StoreStream(
-        self, request_iterator: AsyncIterator[bytes], context: Any
-    ) -> pb.StoreReply:
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
-            return await self._store_stream(request_iterator, self._admit(context))
-        except Exception as exc:
-            code, message = status_of(exc, "StoreStream")
-            await context.abort(code, message)
-            raise  # abort raises; this is for the type checker
-        finally:
-            self.parts.metrics.observe_call("StoreStream", time.perf_counter() - started, code.name)
-
-    async def _store_stream(
         self, pieces: AsyncIterator[bytes], principal: Principal
     ) -> pb.StoreReply:
         session: Session | None = None
@@ -398,7 +404,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         key, handle, length, filled = ChunkKey(b""), None, 0, 0
         try:
             async for raw in pieces:
-                piece = _parsed(raw)
+                piece = decode_piece(raw)
                 if session is None:
                     session = self._session(piece.session_id, principal)
                 if filled == length:  # a new chunk starts
@@ -476,17 +482,6 @@ class SidecarService(pb_grpc.SidecarServicer):
         session = self._session(request.session_id, principal)
         deleted = await self.parts.manager.purge(session.space.digest)
         return pb.PurgeReply(deleted={k: v for k, v in deleted.items() if v >= 0})
-
-
-def _parsed(raw: bytes) -> Piece:
-    try:
-        return decode_piece(raw)
-    except ValueError as exc:
-        raise InvalidRequestError(f"a malformed chunk piece: {exc}") from None
-
-
-def _spans_to_wire(spans: Sequence[TierSpan]) -> list[pb.TierSpan]:
-    return [pb.TierSpan(tier=s.tier, start=s.start, stop=s.stop) for s in spans]
 
 
 def _numbers(entry: dict[str, object], prefix: str = "") -> list[tuple[str, float]]:

@@ -51,7 +51,7 @@ def receive_chunks(
     except grpc.RpcError as exc:
         connection.failed(exc)
     except ValueError as exc:
-        logger.warning("sidecar %s sent a malformed chunk piece: %s", connection.target, exc)
+        logger.warning("sidecar %s: %s", connection.target, exc)
     finally:
         stream.cancel()
     whole = next((i for i, f in enumerate(filled) if f != meta[i][0]), len(handles))
