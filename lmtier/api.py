@@ -39,7 +39,7 @@ from typing import Any
 from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.integrity import load_key
-from lmtier.chunks.keys import KEY_BYTES, ChunkHasher, ChunkKey, ExtraKeys, Namespace
+from lmtier.chunks.keys import ChunkHasher, ChunkKey, ExtraKeys, Namespace
 from lmtier.chunks.tokens import TokenInput
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import (
@@ -49,13 +49,14 @@ from lmtier.errors import (
     brief,
 )
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
+from lmtier.maintenance import Maintenance, checked_keys
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
-from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.cpu_tier import open_memory_tier
 from lmtier.storage.lookup import Lookup
-from lmtier.storage.manager import EvictListener, StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle, open_host_pool
+from lmtier.storage.manager import StorageManager
+from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storage.plugins import open_tiers
 from lmtier.storing import Encoded, store_chunks
 
@@ -77,8 +78,9 @@ def _require_int(name: str, value: object, *, lowest: int = 0) -> int:
     return value
 
 
-class LMTier:
-    """A multi-tier KV cache for one model. See the module docstring."""
+class LMTier(Maintenance):
+    """A multi-tier KV cache for one model. See the module docstring; its cache-wide
+    operations (pins, prefetch, purge, stats) are :class:`~lmtier.maintenance.Maintenance`."""
 
     def __init__(
         self,
@@ -170,8 +172,8 @@ class LMTier:
                 return self
             mac = load_key(self.config.integrity.key, self.config.integrity.key_file)
             slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
-            pool, cache_slabs = open_host_pool(self.config, slab_bytes)
-            memory = CPUTier(pool, cache_slabs * pool.slab_bytes)
+            memory = open_memory_tier(self.config, slab_bytes)
+            pool = memory.pool
             check = ChunkCheck(self.kv_spec.geometry(self.chunk_size), mac)
             self._runtime.start()
             try:
@@ -265,7 +267,7 @@ class LMTier:
         ``local_only``: ask only the tiers that answer without I/O (host memory, the
         disk index), so the call never waits on a remote tier.
         """
-        return self._lookup(_checked_keys(keys), local_only=local_only)
+        return self._lookup(checked_keys(keys), local_only=local_only)
 
     def _lookup(self, keys: Sequence[ChunkKey], *, local_only: bool) -> Lookup:
         manager = self._require()
@@ -286,7 +288,7 @@ class LMTier:
         Pass the ``lookup`` just made for these keys (``CacheLookup.lookup``) to skip a
         second walk of the tiers.
         """
-        return self._load(_checked_keys(keys), lookup, caller())
+        return self._load(checked_keys(keys), lookup, caller())
 
     def _load(self, keys: Sequence[ChunkKey], lookup: Lookup | None, origin: str) -> LoadResult:
         manager = self._require()
@@ -365,7 +367,7 @@ class LMTier:
         ``skip``: how many leading chunks the caller knows are cached (the lookup it has
         just made); None asks the local tiers.
         """
-        return self._store(_checked_keys(keys), kv, skip)
+        return self._store(checked_keys(keys), kv, skip)
 
     def _store(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
         """:meth:`store_keys` for keys this cache made (not checked again)."""
@@ -410,34 +412,6 @@ class LMTier:
             keys = keys[: max_tokens // self.chunk_size]
         return keys[skip_tokens // self.chunk_size :]
 
-    def add_evict_listener(self, callback: EvictListener) -> None:
-        """Call ``callback(key)`` with the key of every chunk the CPU tier evicts from
-        now on (the chunk may still be in a lower tier). Registration is thread-safe;
-        the callback runs inside the eviction, under the cache's lock, in the thread
-        that caused it (the runtime's loop, or one calling :meth:`store` or
-        :meth:`put_encoded`), so it must be quick, thread-safe, and must not call back
-        into this cache. One that raises is logged and ignored."""
-        self._require().add_evict_listener(callback)
-
-    def remove_evict_listener(self, callback: EvictListener) -> None:
-        """Stop calling ``callback`` (a no-op once the cache is closed)."""
-        manager = self._manager
-        if manager is not None:
-            manager.remove_evict_listener(callback)
-
-    def purge(self, cache_salt: str = "") -> dict[str, int]:
-        """Delete every chunk of this model's namespace under ``cache_salt`` from every
-        tier; chunks deleted by tier name (-1: the tier failed, -2: it cannot list)."""
-        return self._runtime.run(self._require().purge(self.namespace(cache_salt).digest))
-
-    def flush(self) -> None:
-        """Wait until background writes queued so far have been attempted."""
-        self._runtime.run(self._require().flush())
-
-    def stats(self) -> dict[str, dict[str, object]]:
-        """Counters of every tier (see :class:`~lmtier.storage.stats.TierStats`)."""
-        return self._runtime.call(self._require().stats)
-
     def close(self) -> None:
         """Flush background writes, close the tiers, stop the runtime. Idempotent; the
         cache cannot be used (CacheClosedError) or started again afterwards."""
@@ -464,13 +438,3 @@ class LMTier:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _checked_keys(keys: object) -> Sequence[ChunkKey]:
-    """``keys`` if it is a sequence of 32-byte chunk keys; InvalidRequestError if not."""
-    if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-        raise InvalidRequestError(f"keys must be a sequence of chunk keys, got {brief(keys)}")
-    for key in keys:
-        if type(key) is not bytes or len(key) != KEY_BYTES:
-            raise InvalidRequestError(f"a chunk key is {KEY_BYTES} bytes, got {brief(key)}")
-    return keys

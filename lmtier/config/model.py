@@ -33,6 +33,7 @@ from lmtier.config.types import (
     Int,
     NonEmptyText,
     PathValue,
+    PinFraction,
     PositiveFloat,
     SecretText,
     SecretUrl,
@@ -206,6 +207,9 @@ class CPUTierConfig(_Section):
     """Host memory for chunks in flight (loads being copied out, stores waiting for
     their writes); at least one chunk. With the CPU tier off, a load holds at most
     this much at once."""
+    max_pinned_fraction: PinFraction = 0.5
+    """Part of ``capacity_bytes`` that pinned chunks (``lmtier warm --pin``) may take;
+    pins past it are refused, so the rest of the tier always stays evictable."""
 
 
 def _process_default_disk_path() -> Path:
@@ -226,6 +230,9 @@ class DiskTierConfig(_ByteTierSection):
     ``~/.cache/lmtier/chunks`` by default; ``~`` is expanded."""
     capacity_bytes: Size = 32 * _GIB
     """Bytes of chunk files kept before LRU eviction."""
+    max_pinned_fraction: PinFraction = 0.5
+    """Part of ``capacity_bytes`` that pinned chunks (``lmtier warm --pin``) may take;
+    pins are kept in ``<path>/v1/pins`` and survive restarts."""
     fsync: Bool = False
     """Make each batch of writes durable (one ``syncfs``: data and file names) before
     its chunks count as stored. Off: the kernel writes them back in its own time

@@ -103,6 +103,9 @@ def _wrap(kind: type[Secret] | type[SecretURL]) -> BeforeValidator:
 Bool = Annotated[bool, BeforeValidator(_bool)]
 Int = Annotated[int, _from_text(int), Strict()]
 PositiveFloat = Annotated[float, _from_text(float), Strict(), Field(gt=0.0, allow_inf_nan=False)]
+PinFraction = Annotated[float, _from_text(float), Strict(), Field(ge=0.0, le=0.9)]
+"""A part of a tier's capacity that pinned chunks may take: at most 0.9, so that
+pins never starve the cache of room for new chunks."""
 Text = Annotated[str, Strict()]
 NonEmptyText = Annotated[str, Strict(), AfterValidator(_non_empty)]
 Size = Annotated[int, BeforeValidator(_size), Strict(), AfterValidator(_bytes_in_range)]

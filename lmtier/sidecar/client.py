@@ -29,10 +29,11 @@ from typing import Any
 import grpc
 
 from lmtier.api import LMTier
-from lmtier.chunks.keys import ChunkKey, Namespace
+from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey, Namespace
 from lmtier.config import LMTierConfig, Secret
 from lmtier.errors import CacheClosedError, InvalidRequestError
 from lmtier.kv_spec import KVSpec
+from lmtier.maintenance import checked_keys
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.sidecar.slabs import LEASE_MARGIN, RemoteSlab, checked_chunks, leased_chunks
@@ -425,13 +426,41 @@ class SidecarClient(LMTier):
         out["sidecar"] = dict(reply.sidecar.values)
         return out
 
-    def purge(self, cache_salt: str = "") -> dict[str, int]:
+    def purge(self, cache_salt: str = "", *, dry_run: bool = False) -> dict[str, int]:
         """:meth:`LMTier.purge`, done by the sidecar (tiers that failed or cannot list
         are left out); SidecarUnavailable while it is unreachable."""
         connection = self._conn()
         session = connection.session(self.namespace(cache_salt))
-        reply = connection.call(connection.stub.Purge, pb.PurgeRequest(session_id=session.id))
+        request = pb.PurgeRequest(session_id=session.id, dry_run=dry_run)
+        reply = connection.call(connection.stub.Purge, request)
         return dict(reply.deleted)
+
+    def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[str, int]:
+        """:meth:`LMTier.pin_keys`, in the sidecar's tiers (its host-memory pins last as
+        long as the sidecar); SidecarUnavailable while it is unreachable."""
+        return self._pin(checked_keys(keys), unpin=False) if keys else {}
+
+    def unpin_keys(self, keys: Sequence[ChunkKey] | None = None) -> dict[str, int]:
+        """:meth:`LMTier.unpin_keys` in the sidecar's tiers; ``keys`` None unpins every
+        chunk of this client's namespace (no more: other tenants' pins are theirs)."""
+        if keys is not None and not checked_keys(keys):
+            return {}
+        return self._pin(keys or [], unpin=True)
+
+    def _pin(self, keys: Sequence[ChunkKey], *, unpin: bool) -> dict[str, int]:
+        # One Pin per namespace the keys belong to (a session each: the sidecar checks
+        # every key against its session's namespace); no keys: this model's own.
+        connection = self._conn()
+        groups: dict[bytes, list[ChunkKey]] = {self.namespace().digest: []} if not keys else {}
+        for key in keys:
+            groups.setdefault(key[:NAMESPACE_BYTES], []).append(key)
+        counts: dict[str, int] = {}
+        for digest, group in groups.items():
+            session = connection.session(self._namespace_of(digest))
+            request = pb.PinRequest(session_id=session.id, keys=b"".join(group), unpin=unpin)
+            for tier, count in connection.call(connection.stub.Pin, request).pinned.items():
+                counts[tier] = counts.get(tier, 0) + count
+        return counts
 
 
 def _stored(connection: Connection, future: Any) -> int:

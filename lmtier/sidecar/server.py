@@ -44,9 +44,8 @@ from lmtier.sidecar.namespaces import NamespaceCheck
 from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shm import SharedRegion
-from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.cpu_tier import open_memory_tier
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import open_host_pool
 from lmtier.storage.plugins import open_tiers
 from lmtier.v1 import sidecar_pb2 as pb
 
@@ -102,12 +101,12 @@ class Sidecar:
             self.shm = SharedRegion.create(side.shm_dir, size)
             return self.shm.tensor
 
-        pool, cache_slabs = open_host_pool(config, side.slab_bytes, shared if offer_shm else None)
+        memory = open_memory_tier(config, side.slab_bytes, shared if offer_shm else None)
+        pool = memory.pool
         mac = load_key(config.integrity.key, config.integrity.key_file)
         check = NamespaceCheck(mac)
         try:
             tiers = await open_tiers(config)
-            memory = CPUTier(pool, cache_slabs * pool.slab_bytes)
             manager = StorageManager(memory, tiers, check=check)
             await manager.start()
         except BaseException:

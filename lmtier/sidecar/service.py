@@ -39,7 +39,7 @@ from lmtier.sidecar.namespaces import (
 from lmtier.sidecar.pieces import decode_piece, encode_piece, piece_offsets
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
-from lmtier.sidecar.status import Draining, NotOffered, status_of
+from lmtier.sidecar.status import Draining, NotOffered, numeric_leaves, status_of
 from lmtier.storage.lookup import LoadedChunk, TierSpan
 from lmtier.storage.lookup import Lookup as Found
 from lmtier.storage.manager import StorageManager
@@ -459,7 +459,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         reply = pb.StatsReply()
         for tier, entry in self.parts.manager.stats().items():
             counters = reply.tiers[tier]
-            for name, value in _numbers(entry):
+            for name, value in numeric_leaves(entry):
                 counters.values[name] = value
         for name, value in self.gauges().items():
             reply.sidecar.values[name] = value
@@ -480,16 +480,21 @@ class SidecarService(pb_grpc.SidecarServicer):
     @_unary
     async def Purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:
         session = self._session(request.session_id, principal)
-        deleted = await self.parts.manager.purge(session.space.digest)
+        manager, digest = self.parts.manager, session.space.digest
+        if request.dry_run:
+            deleted = await manager.count_namespace(digest)
+        else:
+            deleted = await manager.purge(digest)
         return pb.PurgeReply(deleted={k: v for k, v in deleted.items() if v >= 0})
 
-
-def _numbers(entry: dict[str, object], prefix: str = "") -> list[tuple[str, float]]:
-    """The numeric leaves of a stats entry, nested names joined with '.'."""
-    out: list[tuple[str, float]] = []
-    for name, value in entry.items():
-        if isinstance(value, (bool, int, float)):
-            out.append((prefix + name, float(value)))
-        elif isinstance(value, dict):
-            out.extend(_numbers(value, f"{prefix}{name}."))
-    return out
+    @_unary
+    async def Pin(self, request: pb.PinRequest, principal: Principal) -> pb.PinReply:
+        session = self._session(request.session_id, principal)
+        digest = session.space.digest
+        keys = parse_keys(request.keys, digest) if request.keys else None
+        manager = self.parts.manager
+        if not request.unpin:
+            counts = await manager.pin(keys or [])
+        else:
+            counts = await manager.unpin(keys if keys is not None else manager.pinned(digest))
+        return pb.PinReply(pinned={k: v for k, v in counts.items() if v >= 0})

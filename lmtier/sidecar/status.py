@@ -19,7 +19,7 @@ from lmtier.errors import (
 )
 from lmtier.sidecar.sessions import SessionNotFound
 
-__all__ = ["Draining", "NotOffered", "status_of"]
+__all__ = ["Draining", "NotOffered", "numeric_leaves", "status_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +55,14 @@ def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     incident = secrets.token_hex(4)
     logger.error("%s failed (incident %s)", method, incident, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error in the sidecar (incident {incident})"
+
+
+def numeric_leaves(entry: dict[str, object], prefix: str = "") -> list[tuple[str, float]]:
+    """The numeric leaves of a stats entry, nested names joined with '.'."""
+    out: list[tuple[str, float]] = []
+    for name, value in entry.items():
+        if isinstance(value, (bool, int, float)):
+            out.append((prefix + name, float(value)))
+        elif isinstance(value, dict):
+            out.extend(numeric_leaves(value, f"{prefix}{name}."))
+    return out

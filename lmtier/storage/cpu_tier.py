@@ -16,7 +16,9 @@ Invariants, kept by every method here:
   the pool when the write is done. Otherwise a slow lower tier would stop the CPU
   tier from caching anything new. Idle chunks are evicted before such ones, since
   only their eviction frees a slab at once;
-* the bytes held never exceed ``capacity_bytes`` (counted in whole slabs).
+* the bytes held never exceed ``capacity_bytes`` (counted in whole slabs);
+* a pinned chunk (:mod:`lmtier.storage.pins`) is never evicted; pins take at most
+  ``max_pinned_bytes`` (default: half the capacity), so eviction always has room.
 
 Evicted chunks are handed with the tier's lease to ``on_evict`` when one is set (the
 StorageManager writes them back to lower tiers), else the lease is released.
@@ -29,12 +31,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from lmtier.chunks.keys import ChunkKey
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.config import LMTierConfig
+from lmtier.storage.memory import HostPool, SlabHandle, open_host_pool
+from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties
 
-__all__ = ["CPUTier", "EvictCallback"]
+__all__ = ["CPUTier", "EvictCallback", "open_memory_tier"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ class _Entry:
 class CPUTier(Tier):
     """LRU chunk cache in pool slabs. See the module docstring for its invariants."""
 
+    pins: Pins
+
     def __init__(
         self,
         pool: HostPool,
@@ -59,6 +67,7 @@ class CPUTier(Tier):
         *,
         name: str = "cpu",
         on_evict: EvictCallback | None = None,
+        max_pinned_bytes: int | None = None,
     ) -> None:
         self.name = name
         self.properties = TierProperties(shared=False, verify_reads=False)
@@ -66,6 +75,8 @@ class CPUTier(Tier):
         self.pool = pool
         limit = pool.num_slabs if capacity_bytes is None else capacity_bytes // pool.slab_bytes
         self.max_chunks = min(pool.num_slabs, limit)
+        capacity = self.max_chunks * pool.slab_bytes
+        self.pins = Pins(capacity // 2 if max_pinned_bytes is None else max_pinned_bytes)
         self.on_evict = on_evict
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._write_leases: dict[int, int] = {}
@@ -155,7 +166,10 @@ class CPUTier(Tier):
 
     def _evict_one(self) -> bool:
         victim = None
+        pins = self.pins
         for key, entry in self._entries.items():
+            if key in pins:
+                continue
             readers = entry.handle.refcount - 1 - self._write_leases.get(entry.handle.index, 0)
             if readers:
                 continue
@@ -224,6 +238,7 @@ class CPUTier(Tier):
             entry = self._entries.pop(key, None)
             if entry is not None:
                 entry.handle.release()
+                self.pins.discard(key)
                 removed += 1
         return removed
 
@@ -242,5 +257,33 @@ class CPUTier(Tier):
     async def _purge(self, namespace: bytes) -> int:
         return len(self.discard_namespace(namespace))
 
+    async def _count_namespace(self, namespace: bytes) -> int:
+        return sum(key.startswith(namespace) for key in list(self._entries))
+
+    def _held_size(self, key: ChunkKey) -> int | None:
+        return self.pool.slab_bytes if key in self._entries else None
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "capacity_bytes": self.max_chunks * self.pool.slab_bytes,
+            "used_bytes": self.nbytes,
+            "chunks": len(self._entries),
+            **self._pin_usage(),
+        }
+
     async def close(self) -> None:
         self.discard(list(self._entries))
+
+
+def open_memory_tier(
+    config: LMTierConfig,
+    slab_bytes: int,
+    region: Callable[[int], torch.Tensor] | None = None,
+) -> CPUTier:
+    """The CPU tier of a cache configured by ``config``, over a host pool allocated now
+    (:func:`~lmtier.storage.memory.open_host_pool`; ``region`` as there): its capacity
+    and its pin cap from the ``cpu`` section. Close its ``pool`` when done."""
+    pool, cache_slabs = open_host_pool(config, slab_bytes, region)
+    capacity = cache_slabs * pool.slab_bytes
+    pinned = int(capacity * config.cpu.max_pinned_fraction)
+    return CPUTier(pool, capacity, max_pinned_bytes=pinned)

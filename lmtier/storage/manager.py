@@ -49,13 +49,14 @@ tier's index without it (membership tests), as they did from any thread before.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from lmtier.chunks.keys import ChunkKey, check_namespace
-from lmtier.errors import CacheClosedError
+from lmtier.errors import CacheClosedError, NotSupportedError
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
@@ -341,6 +342,60 @@ class StorageManager:
         logger.info("purged namespace %s: %s", namespace.hex(), purged)
         return purged
 
+    async def count_namespace(self, namespace: bytes) -> dict[str, int]:
+        """A purge's dry run: per tier name, how many chunks of ``namespace`` it holds,
+        or :data:`PURGE_FAILED` / :data:`PURGE_UNSUPPORTED` as :meth:`purge` says."""
+        namespace = check_namespace(namespace)
+        with self.lock:
+            counts = {self.memory.name: await self.memory.count_namespace(namespace)}
+        for tier in self.tiers:
+
+            async def call(tier: Tier = tier) -> int:
+                try:
+                    return await tier.count_namespace(namespace)
+                except NotSupportedError:
+                    return PURGE_UNSUPPORTED
+
+            found, _ = await self.guards[tier.name].call(
+                "count", call, deadline_s=self.purge_timeout_s
+            )
+            counts[tier.name] = PURGE_FAILED if found is None else found
+        return counts
+
+    # ---- pins -------------------------------------------------------------------
+
+    async def pin(self, keys: Sequence[ChunkKey]) -> dict[str, int]:
+        """Exempt the chunks of ``keys`` from eviction in every tier that pins (host
+        memory, disk: :mod:`lmtier.storage.pins`), within each one's pin cap; per tier
+        name, how many of ``keys`` it has pinned now, or :data:`PURGE_FAILED` when it
+        failed. Pin after the background writes landed (:meth:`flush`). On the loop."""
+        return await self._each_pinning(lambda tier: tier.pin(keys), len(keys))
+
+    async def unpin(self, keys: Sequence[ChunkKey] | None = None) -> dict[str, int]:
+        """Make these chunks (None: every pinned one) evictable again in every tier that
+        pins; per tier name, how many were pinned (or :data:`PURGE_FAILED`)."""
+        return await self._each_pinning(lambda tier: tier.unpin(keys), len(keys or ()))
+
+    def pinned(self, namespace: bytes) -> list[ChunkKey]:
+        """The keys of one namespace (16-byte digest) pinned in any tier."""
+        tiers = [self.memory, *self.tiers]
+        keys = {k for t in tiers if t.pins is not None for k in t.pins.snapshot()}
+        return [key for key in keys if key.startswith(namespace)]
+
+    async def _each_pinning(
+        self, call: Callable[[Tier], Awaitable[int]], num_keys: int
+    ) -> dict[str, int]:
+        with self.lock:
+            if self._closed:
+                raise CacheClosedError("pin on a closed StorageManager")
+            done = {self.memory.name: await call(self.memory)}  # in memory: no I/O
+        for tier in self.tiers:
+            if tier.pins is not None:
+                run = functools.partial(call, tier)
+                count, _ = await self.guards[tier.name].call("pin", run, num_keys=num_keys)
+                done[tier.name] = PURGE_FAILED if count is None else count
+        return done
+
     # ---- lifecycle --------------------------------------------------------------
 
     async def flush(self) -> None:
@@ -371,7 +426,7 @@ class StorageManager:
         """Per-tier counters, fastest tier first, plus queue depths and batch sizes."""
         out: dict[str, dict[str, object]] = {}
         for tier in [self.memory, *self.tiers]:
-            entry: dict[str, object] = dict(tier.stats.as_dict())
+            entry: dict[str, object] = {**tier.usage(), **tier.stats.as_dict()}
             depth = self.writes.depth(tier)
             if depth is not None:
                 entry["queue_depth"] = depth

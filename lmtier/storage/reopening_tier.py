@@ -124,6 +124,9 @@ class ReopeningTier(Tier):
         # The real tier's own: its counters are ours already (``stats`` is shared).
         return await (await self._tier())._purge(namespace)
 
+    async def _count_namespace(self, namespace: bytes) -> int:
+        return await (await self._tier())._count_namespace(namespace)
+
     async def close(self) -> None:
         self._closed = True
         if self._inner is not None:

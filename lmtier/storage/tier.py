@@ -44,12 +44,18 @@ prefix implements ``_purge``; one that cannot keeps the default, which raises
 reports it as :data:`~lmtier.storage.purging.PURGE_UNSUPPORTED`, where a failing one is
 ``PURGE_FAILED``.
 
+Pinning (:meth:`Tier.pin`, :meth:`Tier.unpin`) exempts chunks from a tier's LRU
+eviction within a byte cap (:mod:`lmtier.storage.pins`). A tier that evicts by LRU
+(host memory, disk) sets :attr:`Tier.pins` and answers :meth:`Tier._held_size`;
+the others keep the default, and ``pin`` raises NotSupportedError.
+
 What makes tiers behave differently lives in :class:`TierProperties`, so the
 StorageManager never branches on a tier's name or class.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -59,6 +65,7 @@ from typing import Any, Literal, TypeAlias, TypeVar
 from lmtier.chunks.format import DecodedChunk, decode_as
 from lmtier.chunks.keys import ChunkKey, check_namespace
 from lmtier.errors import CorruptChunk, NotSupportedError
+from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 
 __all__ = [
@@ -134,6 +141,8 @@ class Tier(ABC):
     name: str
     properties: TierProperties
     stats: TierStats
+    pins: Pins | None = None
+    """Chunks exempt from eviction; None: this tier does not pin (module docstring)."""
 
     @classmethod
     async def open(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
@@ -282,6 +291,75 @@ class Tier(ABC):
         """Backend purge of the checked 16-byte ``namespace`` (:meth:`purge`). The default
         raises NotSupportedError: a tier that cannot list its chunks cannot find them."""
         raise NotSupportedError(f"{self.name}: this tier cannot list its chunks to purge them")
+
+    async def count_namespace(self, namespace: bytes) -> int:
+        """How many chunks of one namespace the tier holds: what :meth:`purge` would
+        delete now (a purge's dry run). Errors as :meth:`purge` raises them."""
+        return await self._count_namespace(check_namespace(namespace))
+
+    async def _count_namespace(self, namespace: bytes) -> int:
+        """Backend count for :meth:`count_namespace`; the default, NotSupportedError."""
+        raise NotSupportedError(f"{self.name}: this tier cannot list its chunks to count them")
+
+    async def pin(self, keys: Sequence[ChunkKey]) -> int:
+        """Exempt the chunks of ``keys`` that this tier holds from eviction, as long as
+        its pin cap allows; how many of ``keys`` are pinned now. Absent chunks are
+        skipped (pin after the chunks were written: ``flush`` first). NotSupportedError
+        from a tier that does not evict by LRU."""
+        pins = self._require_pins()
+        pinned = 0
+        for key in keys:
+            size = self._held_size(key)
+            if size is not None and pins.add(key, size):
+                pinned += 1
+        await self._pins_changed()
+        return pinned
+
+    async def unpin(self, keys: Sequence[ChunkKey] | None = None) -> int:
+        """Make these chunks (None: every pinned chunk) evictable again; how many were
+        pinned. NotSupportedError from a tier that does not pin."""
+        pins = self._require_pins()
+        count = pins.clear() if keys is None else pins.discard_many(keys)
+        if count:
+            await self._pins_changed()
+        return count
+
+    def _require_pins(self) -> Pins:
+        if self.pins is None:
+            raise NotSupportedError(f"{self.name}: this tier does not pin chunks")
+        return self.pins
+
+    def _held_size(self, key: ChunkKey) -> int | None:
+        """Bytes chunk ``key`` takes in this tier, if it holds it (for :meth:`pin`)."""
+        return None
+
+    async def _pins_changed(self) -> None:
+        """Persist :attr:`pins` after a change, where they have a file (a tier whose
+        chunks outlive its process); a failure is counted and logged, never raised."""
+        pins = self.pins
+        if pins is None or pins.path is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, pins.save)
+        except OSError as exc:
+            self.stats.errors += 1
+            logger.warning("%s: cannot save its pins to %s: %s", self.name, pins.path, exc)
+
+    def usage(self) -> dict[str, int]:
+        """What the tier holds, for ``stats``: ``capacity_bytes``, ``used_bytes``,
+        ``chunks``, and ``pinned_bytes``/``pinned_chunks``/``pins_refused`` where it
+        pins. Empty (the default) for a tier that cannot tell cheaply (Redis, S3)."""
+        return {}
+
+    def _pin_usage(self) -> dict[str, int]:
+        pins = self.pins
+        if pins is None:
+            return {}
+        return {
+            "pinned_bytes": pins.nbytes,
+            "pinned_chunks": len(pins),
+            "pins_refused": pins.refused,
+        }
 
     async def close(self) -> None:  # noqa: B027 - a no-op is the right default
         """Release connections, threads and files. Idempotent."""

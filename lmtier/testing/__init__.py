@@ -131,3 +131,7 @@ class DictTier(Tier):
         for key in doomed:
             del self.data[key]
         return len(doomed)
+
+    async def _count_namespace(self, namespace: bytes) -> int:
+        await self._enter("purge")
+        return sum(key.startswith(namespace) for key in self.data)

@@ -208,12 +208,14 @@ class TierConformance:
             assert await tier.put([*doomed, *kept]) == 8
             doomed_keys, kept_keys = [k for k, _ in doomed], [k for k, _ in kept]
             try:
+                counted = await tier.count_namespace(doomed_ns)  # a dry run: counts only
                 purged = await tier.purge(doomed_ns)
             except NotSupportedError:
                 assert await tier.contains(doomed_keys) == 5  # it said so: nothing went
                 unsupported.append(tier.name)
                 return
-            assert purged == 5
+            assert counted == 5 and purged == 5
+            assert await tier.count_namespace(near_ns) == 2
             assert tier.stats.purged == 5
             assert [await tier.contains([key]) for key in doomed_keys] == [0] * 5
             assert await tier.get_into(doomed_keys, _buffers(5)) == [None] * 5

@@ -291,10 +291,12 @@ class StatsReply(_message.Message):
     def __init__(self, tiers: _Optional[_Mapping[str, Counters]] = ..., sidecar: _Optional[_Union[Counters, _Mapping]] = ...) -> None: ...
 
 class PurgeRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "dry_run")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
-    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class PurgeReply(_message.Message):
     __slots__ = ("deleted",)
@@ -308,3 +310,26 @@ class PurgeReply(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: _containers.ScalarMap[str, int]
     def __init__(self, deleted: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "unpin")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    unpin: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., unpin: _Optional[bool] = ...) -> None: ...
+
+class PinReply(_message.Message):
+    __slots__ = ("pinned",)
+    class PinnedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pinned: _containers.ScalarMap[str, int]
+    def __init__(self, pinned: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -89,6 +89,11 @@ class SidecarStub:
                 request_serializer=lmtier_dot_v1_dot_sidecar__pb2.PurgeRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PurgeReply.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/lmtier.v1.Sidecar/Pin',
+                request_serializer=lmtier_dot_v1_dot_sidecar__pb2.PinRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PinReply.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -179,6 +184,15 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pins chunks of the session's namespace, keeping them out of LRU eviction in the
+        tiers that evict by LRU (host memory, disk) within each tier's pin cap; or
+        unpins them (`lmtier warm --pin`, `lmtier unpin`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +250,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Purge,
                     request_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PurgeRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_sidecar__pb2.PurgeReply.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PinRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_sidecar__pb2.PinReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +554,33 @@ class Sidecar:
             '/lmtier.v1.Sidecar/Purge',
             lmtier_dot_v1_dot_sidecar__pb2.PurgeRequest.SerializeToString,
             lmtier_dot_v1_dot_sidecar__pb2.PurgeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.Sidecar/Pin',
+            lmtier_dot_v1_dot_sidecar__pb2.PinRequest.SerializeToString,
+            lmtier_dot_v1_dot_sidecar__pb2.PinReply.FromString,
             options,
             channel_credentials,
             insecure,

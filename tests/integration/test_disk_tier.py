@@ -31,8 +31,8 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.config import DiskTierConfig
 from lmtier.errors import BackendUnavailable
 from lmtier.testing import make_chunk, random_key
+from lmtier_backends.disk import DiskTier, open_tier
 from lmtier_backends.disk.io import DIRECT_ALIGN
-from lmtier_backends.disk.tier import DiskTier, open_tier
 
 pytestmark = pytest.mark.integration
 

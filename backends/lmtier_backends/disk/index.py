@@ -45,6 +45,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from lmtier.chunks.keys import ChunkKey
+from lmtier.storage.pins import Pins
 from lmtier.storage.tier import Buffer
 
 __all__ = ["WAVE_FRACTION", "WAVE_MAX_BYTES", "DiskIndex", "RecentKeys", "admit", "wave_length"]
@@ -137,16 +138,19 @@ class DiskIndex:
 
     Keys being written are never chosen for eviction: their new file is about to land
     as the most recent entry, and unlinking under a write could delete the new file.
+    Nor are keys in :attr:`pinned` (the tier's :class:`~lmtier.storage.pins.Pins`,
+    capped below capacity so that eviction always finds room).
 
     Files another process wrote join through :meth:`adopt` and count like any other;
     adopting never evicts (it may run outside the event loop), so ``used`` may exceed
     ``capacity`` until the next :meth:`reserve`, which evicts down to it.
     """
 
-    __slots__ = ("_indexed", "_lock", "_reserved", "_sizes", "_writing", "capacity")
+    __slots__ = ("_indexed", "_lock", "_reserved", "_sizes", "_writing", "capacity", "pinned")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, pinned: Pins | None = None) -> None:
         self.capacity = capacity
+        self.pinned = pinned if pinned is not None else Pins(0)
         self._sizes: OrderedDict[ChunkKey, int] = OrderedDict()
         self._writing: Counter[ChunkKey] = Counter()
         self._indexed = 0
@@ -170,6 +174,10 @@ class DiskIndex:
             for key, size in entries:
                 self._sizes[key] = size
                 self._indexed += size
+
+    def size_of(self, key: ChunkKey) -> int | None:
+        """The indexed file size of ``key``; None if it is not indexed."""
+        return self._sizes.get(key)
 
     def keys(self) -> list[ChunkKey]:
         """Indexed keys, least recently used first."""
@@ -227,7 +235,7 @@ class DiskIndex:
             for key, size in self._sizes.items():
                 if excess <= 0:
                     break
-                if key not in self._writing and key not in keep:
+                if key not in self._writing and key not in keep and key not in self.pinned:
                     victims.append((key, size))
                     excess -= size
             for key, _ in victims:
@@ -259,25 +267,26 @@ class DiskIndex:
         """
         victims: list[tuple[ChunkKey, int]] = []
         with self._lock:
-            # Bytes of indexed files being rewritten: not evictable. Summed once per
-            # call and kept up to date, not per item (a batch of n was O(n^2)).
-            pinned = sum(self._sizes.get(k, 0) for k in self._writing)
+            # Bytes of indexed files being rewritten, and pinned ones: not evictable.
+            # Summed once per call and kept up to date, not per item (a batch of n
+            # was O(n^2)).
+            held = sum(self._sizes.get(k, 0) for k in self._writing) + self.pinned.nbytes
             for done, (key, size) in enumerate(items):
-                if self._reserved + pinned + size > self.capacity:
+                if self._reserved + held + size > self.capacity:
                     return done, victims
                 excess = self.used + size - self.capacity
                 evicted: list[tuple[ChunkKey, int]] = []
                 for victim, victim_size in self._sizes.items():  # least recently used first
                     if excess <= 0:
                         break
-                    if victim not in self._writing:
+                    if victim not in self._writing and victim not in self.pinned:
                         evicted.append((victim, victim_size))
                         excess -= victim_size
                 for victim, _ in evicted:
                     self._remove(victim)
                 victims += evicted
                 if key not in self._writing:
-                    pinned += self._sizes.get(key, 0)
+                    held += self._sizes.get(key, 0)
                 self._writing[key] += 1
                 self._reserved += size
         return len(items), victims

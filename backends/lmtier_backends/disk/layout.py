@@ -11,6 +11,7 @@ Layout::
     <path>/v1/tmp/                  probes at open (and temp files of older versions)
     <path>/v1/ledger                bytes of chunk files, shared by every process
                                     (:mod:`lmtier_backends.disk.ledger`)
+    <path>/v1/pins                  pinned keys, one per line (:mod:`lmtier.storage.pins`)
 
 Permissions: chunk files get the tier's ``file_mode`` (default 0600) and the
 directories under ``v1`` the matching search bits (0700), whatever the umask, and
@@ -46,6 +47,7 @@ from lmtier_backends.disk.ledger import LEDGER_NAME, Ledger
 
 __all__ = [
     "CHUNK_SUFFIX",
+    "PINS_NAME",
     "TEMP_SUFFIX",
     "ScanResult",
     "dir_mode",
@@ -58,6 +60,7 @@ __all__ = [
 ]
 
 CHUNK_SUFFIX = ".lmtc"
+PINS_NAME = "pins"
 TEMP_SUFFIX = ".tmp"
 _CHUNK_NAME = re.compile(r"[0-9a-f]{64}\.lmtc")
 _TEMP_NAME = re.compile(r"\.?[0-9a-f]{64}\.[0-9]+\.[0-9]+\.tmp")
@@ -149,7 +152,7 @@ def scan_chunk_dir(root: str) -> ScanResult:
                 result.foreign.append(entry.path)
             else:
                 result.removed_temps += _remove_debris(entry, now)
-    known = {*_SHARD_NAMES, "tmp", LEDGER_NAME}
+    known = {*_SHARD_NAMES, "tmp", LEDGER_NAME, PINS_NAME}
     with os.scandir(root) as entries:
         for entry in entries:
             if entry.name not in known:

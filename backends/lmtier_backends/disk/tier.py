@@ -3,50 +3,39 @@
 Layout, permissions and start-up: :mod:`lmtier_backends.disk.layout`.
 
 Writes: each chunk goes to a temp file beside its chunk file, then is
-``os.replace``-d into place: a reader opens the old file or the new one, never a
-partial file. A put writes in waves of at most 1/32 of capacity, each evicting least
-recently used files for its room just before it starts (a backlog written as one
-batch evicted a third of a small cache ahead of time) and indexed as soon as it is
-done. ``fsync`` (off by default) makes each wave durable with one group commit before
-its chunks count as stored (:func:`~lmtier_backends.disk.io.make_durable`); without
-it the kernel writes files back in its own time. Either way a crash can leave temp
-files (deleted at the next open) and empty or zeroed chunk files, which fail their
-checksums: misses, deleted when first read. Why off by default: see the README
-(durability) and benchmarks/bench_trace.py. A chunk larger than the whole capacity
-is refused and counted as an error.
+``os.replace``-d into place: a reader sees the old file or the new one, never a
+partial one. A put writes in waves of at most 1/32 of capacity, each evicting least
+recently used files just before it starts. ``fsync`` (off by default: see the README
+and benchmarks/bench_trace.py) makes each wave durable with one group commit. A crash
+can leave temp files (deleted at the next open) and empty or zeroed chunk files
+(checksum failures: misses, deleted when read). A chunk larger than the whole
+capacity is refused and counted as an error.
 
-Index: key -> file size in LRU order, rebuilt at open from file names and ``stat``
-alone (:mod:`lmtier_backends.disk.index`); every hit bumps the file's mtime (in the
-read's own worker call), so LRU order survives a restart.
+Index: key -> size in LRU order, rebuilt at open from file names and ``stat``
+(:mod:`lmtier_backends.disk.index`); a hit bumps the file's mtime, so LRU order
+survives a restart. Pinned chunks (:mod:`lmtier.storage.pins`, listed in
+``v1/pins``) are never evicted; a delete or purge unpins them.
 
 Sharing a directory (a vLLM scheduler and its workers, two engines, a warm-up job):
-files other processes write after our open are found on demand and adopted into the
-index (:mod:`lmtier_backends.disk.index`); capacity holds for the directory, counted
-by every process in a shared ledger (:mod:`lmtier_backends.disk.ledger`).
-
-O_DIRECT (``o_direct=True``): probed once at open by writing a page; a filesystem
-that refuses it (EINVAL on tmpfs) falls back to buffered I/O with one warning. Files
-keep the chunk's exact bytes either way (:mod:`lmtier_backends.disk.io`).
+other processes' files are found on demand and adopted into the index; capacity holds
+for the directory, counted by every process in a shared ledger
+(:mod:`lmtier_backends.disk.ledger`). O_DIRECT (``o_direct=True``) is probed once at
+open; a filesystem that refuses it falls back to buffered I/O with one warning.
 
 Failures: any OSError is a miss (reads) or a chunk not stored (writes), counted in
-``stats.errors`` and logged at WARNING once per errno, never raised; a failed write
-removes its temp file and is not indexed. A file deleted behind our back is a miss
-and leaves the index. Something that can never be served in place of a chunk file
-(a directory, FIFO, socket or symlink, a file we may not read, a file larger than a
-slab) is :data:`~lmtier.storage.tier.UNSERVABLE`: deleted where we can, counted, and not
-adopted again for ``UNSERVABLE_MEMORY_S``, so lookups stop finding it. Files are
-opened with ``O_NOFOLLOW | O_NONBLOCK`` (:mod:`lmtier_backends.disk.io`): a FIFO
-cannot block a thread. Only using a tier that is not open raises
-(BackendUnavailable); a ``path`` that is a file, read-only or not ours is a
-ConfigError at open.
+``stats.errors`` and logged once per errno, never raised. A file deleted behind our
+back is a miss and leaves the index. What can never be served in place of a chunk
+file (a directory, FIFO, symlink, unreadable or oversized file) is
+:data:`~lmtier.storage.tier.UNSERVABLE`: deleted where we can, counted, not adopted
+again for ``UNSERVABLE_MEMORY_S``. Files open with ``O_NOFOLLOW | O_NONBLOCK``: a
+FIFO cannot block a thread. Using a tier that is not open raises BackendUnavailable;
+a ``path`` that is a file, read-only or not ours is a ConfigError at open.
 
-All file I/O runs in one thread pool of ``io_threads``: a batch is spread over them
-(:mod:`lmtier_backends.disk.batch`), each thread doing a whole file at a time (open,
-read or write, close; measured faster than aiofiles, which pays one executor hop per
-call: see benchmarks/bench_disk.py); a read is checked (checksums) in the thread
-that read it, while the others still read. A cancelled call returns only once its
-threads are done with its buffers, and ``close()`` returns within
-``CLOSE_TIMEOUT_S`` even if a thread is stuck in the kernel.
+All file I/O runs in one pool of ``io_threads`` (:mod:`lmtier_backends.disk.batch`),
+each thread doing a whole file at a time and checking what it read (faster than
+aiofiles: benchmarks/bench_disk.py). A cancelled call returns only once its threads
+are done with its buffers; ``close()`` returns within ``CLOSE_TIMEOUT_S`` whatever
+the kernel does.
 """
 
 from __future__ import annotations
@@ -59,10 +48,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.config import DiskTierConfig
 from lmtier.errors import BackendUnavailable, ConfigError
 from lmtier.storage.blocking import finish, shutdown_pool
 from lmtier.storage.failures import FailureLog
+from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import (
     UNSERVABLE,
@@ -83,6 +72,7 @@ from lmtier_backends.disk.io import (
 )
 from lmtier_backends.disk.layout import (
     CHUNK_SUFFIX,
+    PINS_NAME,
     explain_open_error,
     list_namespace,
     prepare,
@@ -91,7 +81,7 @@ from lmtier_backends.disk.layout import (
 )
 from lmtier_backends.disk.ledger import Ledger
 
-__all__ = ["CLOSE_TIMEOUT_S", "DiskTier", "open_tier"]
+__all__ = ["CLOSE_TIMEOUT_S", "DiskTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +100,8 @@ class DiskTier(Tier):
     config); the constructor only stores its arguments. See the module docstring.
     """
 
+    pins: Pins
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -122,6 +114,7 @@ class DiskTier(Tier):
         write_policy: WritePolicy = "write_through",
         queue_depth: int = 256,
         name: str = "disk",
+        max_pinned_fraction: float = 0.5,
     ) -> None:
         if not 0 <= file_mode <= 0o777 or file_mode & 0o600 != 0o600:
             raise ValueError(f"file_mode must let the owner read and write, got {file_mode:o}")
@@ -146,7 +139,8 @@ class DiskTier(Tier):
         """Entries under ``path`` found at open that are not ours (left alone)."""
         self.adopted_files = 0
         """Chunk files found after open (written by other processes) and indexed."""
-        self._index = DiskIndex(capacity_bytes)
+        self.pins = Pins(int(capacity_bytes * max_pinned_fraction), f"{self.root}/{PINS_NAME}")
+        self._index = DiskIndex(capacity_bytes, self.pins)
         self._ledger = Ledger(self.root)
         self._unservable = RecentKeys(UNSERVABLE_MEMORY_S)
         self._rescan: asyncio.Task[None] | None = None
@@ -185,6 +179,8 @@ class DiskTier(Tier):
             raise
         self._pool = pool
         self._index.load(scan.entries)
+        stored = await loop.run_in_executor(pool, self.pins.stored_keys)
+        self.pins.restore((k, n) for k in stored if (n := self._index.size_of(k)) is not None)
         self.foreign_files = len(scan.foreign)
         if scan.foreign:
             msg = "%s: %d foreign file(s) left alone, not indexed, e.g. %s"
@@ -201,6 +197,14 @@ class DiskTier(Tier):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def usage(self) -> dict[str, int]:
+        index = self._index
+        held = {"capacity_bytes": self.capacity_bytes, "used_bytes": index.used}
+        return {**held, "chunks": len(index), **self._pin_usage()}
+
+    def _held_size(self, key: ChunkKey) -> int | None:
+        return self._index.size_of(key) if key in self._index or self._discover(key) else None
 
     def path_of(self, key: ChunkKey) -> str:
         """The file that holds (or would hold) chunk ``key``."""
@@ -436,10 +440,18 @@ class DiskTier(Tier):
         pool = self._require_pool()
         if self._writes:
             await asyncio.wait(set(self._writes))
-        loop = asyncio.get_running_loop()
-        listed = await finish(loop.run_in_executor(pool, list_namespace, self.root, namespace))
+        listed = await self._list(namespace)
         keys = list(dict.fromkeys([*self._index.remove_namespace(namespace), *listed]))
         return await self._unlink(pool, keys) if keys else 0
+
+    async def _count_namespace(self, namespace: bytes) -> int:
+        return len(await self._list(namespace))
+
+    async def _list(self, namespace: bytes) -> list[ChunkKey]:
+        """Every chunk file of ``namespace`` in the directory (other processes' too)."""
+        loop = asyncio.get_running_loop()
+        run = loop.run_in_executor(self._require_pool(), list_namespace, self.root, namespace)
+        return await finish(run)
 
     async def _unlink(self, pool: ThreadPoolExecutor, keys: list[ChunkKey]) -> int:
         """Unlink the files of keys already removed from the index, in one worker hop;
@@ -457,6 +469,8 @@ class DiskTier(Tier):
                     del self._unlinks[key]
         for exc in failures:
             self._count_error("unlink", exc)
+        if self.pins.discard_many(keys):  # deleted or purged: a pin never outlives its file
+            await self._pins_changed()
         return unlinked
 
     async def close(self) -> None:
@@ -481,17 +495,3 @@ class DiskTier(Tier):
 
     def _count_error(self, op: str, exc: OSError) -> None:
         self._failures.record(op, exc, exc.errno)
-
-
-async def open_tier(config: DiskTierConfig) -> DiskTier:
-    """Entry point ``lmtier.backends: disk``: open the disk tier ``config`` describes."""
-    return await DiskTier.open(
-        config.path,
-        config.capacity_bytes,
-        fsync=config.fsync,
-        o_direct=config.o_direct,
-        io_threads=config.io_threads,
-        file_mode=int(config.file_mode, 8),
-        write_policy=config.write_policy,
-        queue_depth=config.queue_depth,
-    )

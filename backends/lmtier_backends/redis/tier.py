@@ -294,12 +294,15 @@ class RedisTier(Tier):
         except _TIER_FAILURES as exc:
             raise self._exceptions.error(exc, "delete") from exc
 
-    async def _purge(self, namespace: bytes) -> int:
+    async def _count_namespace(self, namespace: bytes) -> int:
+        return await self._purge(namespace, unlink=False)
+
+    async def _purge(self, namespace: bytes, *, unlink: bool = True) -> int:
         # One SCAN page then its UNLINK (freed off the server's main thread) at a time,
         # each reply ticking progress: a long purge lives, a hung server is caught.
         route = self._require_route()
         pattern = match_prefix(self._prefix + hexlify(namespace) + b":")
-        unlinked = 0
+        found = 0
         try:
             await route.refresh()
             async with self._permit():
@@ -309,11 +312,11 @@ class RedisTier(Tier):
                         cursor, names = await route.scan(node, cursor or 0, pattern, PURGE_PAGE)
                         self.io_progress.tick()
                         if names:
-                            unlinked += await route.client.unlink(*names)
+                            found += await route.client.unlink(*names) if unlink else len(names)
                             self.io_progress.tick()
         except _TIER_FAILURES as exc:
             raise self._exceptions.error(exc, "purge") from exc
-        return unlinked
+        return found
 
     async def close(self) -> None:
         """Abort every connection, within ``CLOSE_TIMEOUT_S`` whatever the server does."""

@@ -364,16 +364,24 @@ class S3Tier(Tier):
         settle(self._failures, self._exceptions, "delete", outcomes)
 
     async def _purge(self, namespace: bytes) -> int:
+        return await self._walk_namespace(namespace, delete=True)
+
+    async def _count_namespace(self, namespace: bytes) -> int:
+        return await self._walk_namespace(namespace, delete=False)
+
+    async def _walk_namespace(self, namespace: bytes, *, delete: bool) -> int:
         # Page by page, list then delete: each page one thread hop, so a cancelled purge
         # stops between requests. The listing resumes after the last key it returned,
         # so deleting behind it skips nothing.
-        prefix, token, deleted = self.namespace_prefix(namespace), None, 0
+        prefix, token, found = self.namespace_prefix(namespace), None, 0
         while True:
             names, token = await self._purge_step(self._list_page, prefix, token)
-            if names:
-                deleted += await self._purge_step(self._delete_objects, names)
+            if names and delete:
+                found += await self._purge_step(self._delete_objects, names)
+            else:
+                found += len(names)
             if token is None:
-                return deleted
+                return found
 
     async def _purge_step(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the pool; any failure fails the purge (as lmtier's error)."""
