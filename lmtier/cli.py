@@ -28,14 +28,16 @@ from lmtier.chunks.keys import HASH_ALGORITHMS, Namespace
 from lmtier.config import LMTierConfig, chunk_size_problem, load_config
 from lmtier.errors import ConfigError, InvalidTokensError, LMTierError
 
-__all__ = ["main"]
+__all__ = ["add_namespace_arguments", "main", "read_token_ids", "token_ids_from"]
 
 EXIT_USAGE = 2
 SAMPLE_TOKENS = 1000
 """Length of the built-in ``--sample`` prompt: three full 256-token chunks and a tail."""
 
 
-def _read_token_ids(stream: TextIO, source: str) -> list[int]:
+def read_token_ids(stream: TextIO, source: str) -> list[int]:
+    """Whitespace-separated token ids from ``stream``; ``source`` names it in the
+    InvalidTokensError for a word that is not an integer (with its line)."""
     ids: list[int] = []
     for line_number, line in enumerate(stream, start=1):
         for word in line.split():
@@ -48,6 +50,18 @@ def _read_token_ids(stream: TextIO, source: str) -> list[int]:
     return ids
 
 
+def token_ids_from(file: str | None) -> list[int]:
+    """Token ids from the file named ``file`` (None or ``-``: stdin)."""
+    if file in (None, "-"):
+        return read_token_ids(sys.stdin, "<stdin>")
+    path = Path(file)
+    try:
+        with path.open(encoding="utf-8") as stream:
+            return read_token_ids(stream, str(path))
+    except OSError as exc:
+        raise InvalidTokensError(f"cannot read token ids from {path}: {exc.strerror}") from exc
+
+
 def _sample_token_ids() -> list[int]:
     # A fixed pseudo-random prompt: the same keys print on every machine.
     rng = np.random.default_rng(2026)
@@ -56,17 +70,7 @@ def _sample_token_ids() -> list[int]:
 
 
 def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
-    if args.sample:
-        ids = _sample_token_ids()
-    elif args.file in (None, "-"):
-        ids = _read_token_ids(sys.stdin, "<stdin>")
-    else:
-        path = Path(args.file)
-        try:
-            with path.open(encoding="utf-8") as stream:
-                ids = _read_token_ids(stream, str(path))
-        except OSError as exc:
-            raise InvalidTokensError(f"cannot read token ids from {path}: {exc.strerror}") from exc
+    ids = _sample_token_ids() if args.sample else token_ids_from(args.file)
     chunk_size = args.chunk_size if args.chunk_size is not None else config.chunk_size
     problem = chunk_size_problem(chunk_size)
     if problem is not None:
@@ -110,6 +114,35 @@ def _count(text: str) -> int:
     return value
 
 
+def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options that name a cache namespace (model, tenant, chunk size, hash, KV
+    geometry) to ``parser``: ``keys`` and the commands that compute keys share them."""
+    parser.add_argument("--chunk-size", type=int, help="tokens per chunk (default: config, 256)")
+    parser.add_argument("--model-id", help="model id of the namespace (default: config)")
+    parser.add_argument("--model-revision", help="model revision / weights fingerprint")
+    parser.add_argument("--cache-salt", help="tenant salt: keys differ for every salt")
+    parser.add_argument(
+        "--hash",
+        choices=HASH_ALGORITHMS,
+        help="xxh3: chained xxh3-128 (default); vllm: keys from vLLM's sha256_cbor block hashes",
+    )
+    parser.add_argument("--vocab-size", type=int, help="reject token ids >= this")
+    geometry = parser.add_argument_group(
+        "KV geometry",
+        "part of every key: give the model's to print the keys its cache uses "
+        "(0: unspecified, which no cache uses)",
+    )
+    geometry.add_argument("--num-layers", type=_count, default=0, help="layers")
+    geometry.add_argument("--num-kv-heads", type=_count, default=0, help="KV heads per layer")
+    geometry.add_argument("--head-dim", type=_count, default=0, help="size of one head")
+    geometry.add_argument(
+        "--kv-dtype", choices=sorted(DTYPE_ITEMSIZE), default="float32", help="KV element type"
+    )
+    geometry.add_argument(
+        "--kv-layout", choices=sorted(LAYOUTS), default="LKTHD", help="KV layout in chunks"
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmtier",
@@ -140,30 +173,7 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"hash a built-in {SAMPLE_TOKENS}-token sample prompt instead of reading input",
     )
-    keys.add_argument("--chunk-size", type=int, help="tokens per chunk (default: config, 256)")
-    keys.add_argument("--model-id", help="model id of the namespace (default: config)")
-    keys.add_argument("--model-revision", help="model revision / weights fingerprint")
-    keys.add_argument("--cache-salt", help="tenant salt: keys differ for every salt")
-    keys.add_argument(
-        "--hash",
-        choices=HASH_ALGORITHMS,
-        help="xxh3: chained xxh3-128 (default); vllm: keys from vLLM's sha256_cbor block hashes",
-    )
-    keys.add_argument("--vocab-size", type=int, help="reject token ids >= this")
-    geometry = keys.add_argument_group(
-        "KV geometry",
-        "part of every key: give the model's to print the keys its cache uses "
-        "(0: unspecified, which no cache uses)",
-    )
-    geometry.add_argument("--num-layers", type=_count, default=0, help="layers")
-    geometry.add_argument("--num-kv-heads", type=_count, default=0, help="KV heads per layer")
-    geometry.add_argument("--head-dim", type=_count, default=0, help="size of one head")
-    geometry.add_argument(
-        "--kv-dtype", choices=sorted(DTYPE_ITEMSIZE), default="float32", help="KV element type"
-    )
-    geometry.add_argument(
-        "--kv-layout", choices=sorted(LAYOUTS), default="LKTHD", help="KV layout in chunks"
-    )
+    add_namespace_arguments(keys)
     keys.set_defaults(handler=_cmd_keys)
     for entry in sorted(entry_points(group="lmtier.commands"), key=lambda e: e.name):
         entry.load()(commands)
