@@ -123,6 +123,20 @@ class CachedCausalLM:
         result.num_stored_chunks = self._store(sequence, past, hasher, skip=skip, device_hit=hit)
         return generated, result
 
+    def store_sequence(
+        self, sequence: Sequence[int], past: DynamicCache, *, cache_salt: str = ""
+    ) -> int:
+        """Store the full chunks of ``sequence`` (a prompt and the reply decoded after
+        it) whose KV ``past`` holds, so that the next turn of a conversation finds the
+        reply too; chunks already cached (the prompt's) are skipped. Tokens past
+        ``past``'s length (a last sampled token never fed back) are ignored. Returns
+        the chunks stored."""
+        if self.cache is None:
+            return 0
+        ids = list(sequence)[: past.get_seq_length()]
+        keys = self.cache.keys(ids, cache_salt=cache_salt)
+        return self.cache.store_keys(keys, self._layer_kv(past)) if keys else 0
+
     def _prefill(
         self, prompt: Sequence[int], cache_salt: str
     ) -> tuple[PrefillResult, ChunkHasher | None, int | None, DeviceHit | None]:

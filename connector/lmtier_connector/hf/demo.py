@@ -17,6 +17,10 @@ With ``--sidecar URL`` the cache is a client of that ``lmtier serve``
 (:meth:`lmtier.api.LMTier.connect`): its tiers, CPU tier included, outlive the demo
 process, so a second run is served from the sidecar's CPU tier. The device tier
 stays in the demo's process.
+
+torch's threads are sized to the CPUs the process may use (:mod:`.threads`), and
+``--plot FILE.png`` draws the table's TTFT columns (:mod:`.plot`). :func:`set_up`,
+:func:`open_cache` and :func:`sidecar_problem` are shared with ``lmtier demo serve``.
 """
 
 from __future__ import annotations
@@ -38,9 +42,20 @@ from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.prefix_cache import DevicePrefixCache
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
 from lmtier_connector.hf.demo_model import DemoModel, build_demo_model, load_local_model
+from lmtier_connector.hf.plot import matplotlib_problem, write_ttft_plot
+from lmtier_connector.hf.threads import set_torch_threads
 from lmtier_connector.sidecar import read_token_file
 
-__all__ = ["DemoRow", "cmd_demo", "run_demo"]
+__all__ = [
+    "DemoRow",
+    "DemoSetup",
+    "cmd_demo",
+    "open_cache",
+    "run_demo",
+    "set_up",
+    "sidecar_problem",
+    "tier_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +214,9 @@ def print_table(rows: list[DemoRow], summary: dict[str, Any], out: Any = sys.std
     )
 
 
-def _config(args: argparse.Namespace, base: LMTierConfig) -> LMTierConfig:
+def tier_config(args: argparse.Namespace, base: LMTierConfig) -> LMTierConfig:
+    """``base`` with the command line's tier options (``--cpu-capacity``, ``--cache-dir``,
+    ``--no-disk``) applied."""
     cpu = base.cpu.replace(capacity_bytes=parse_size(args.cpu_capacity))
     disk = base.disk
     if args.cache_dir is not None:
@@ -209,24 +226,48 @@ def _config(args: argparse.Namespace, base: LMTierConfig) -> LMTierConfig:
     return base.replace(cpu=cpu, disk=disk)
 
 
-def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
+@dataclass(frozen=True, slots=True)
+class DemoSetup:
+    """What ``lmtier demo`` and ``lmtier demo serve`` build from their shared options,
+    before the cache opens: the model, the effective config, the model's KV geometry,
+    the device tier (None with ``--device-blocks 0``) and torch's intra-op threads."""
+
+    demo: DemoModel
+    config: LMTierConfig
+    spec: KVSpec
+    device_cache: DevicePrefixCache | None
+    threads: int
+
+
+def set_up(args: argparse.Namespace, config: LMTierConfig) -> DemoSetup:
+    """Size torch's threads (``--threads``, else the CPUs this process may use), load the
+    model (``--model DIR`` or the random demo Llama from ``--seed``) and its device tier."""
+    threads = set_torch_threads(args.threads)
     torch.set_grad_enabled(False)
     demo = load_local_model(args.model) if args.model else build_demo_model(args.seed)
-    config = _config(args, config)
     spec = kv_spec_of(demo.model)
     device = next(demo.model.parameters()).device
     device_cache = (
         DevicePrefixCache(spec, args.device_blocks, device=device) if args.device_blocks else None
     )
-    with _open_cache(args, config, demo, spec) as cache:
-        if args.sidecar and "sidecar" not in cache.stats():
-            print(
-                f"lmtier demo: the sidecar at {args.sidecar} does not answer (is `lmtier "
-                "serve` running there, and is the token right?)",
-                file=sys.stderr,
-            )
+    return DemoSetup(demo, tier_config(args, config), spec, device_cache, threads)
+
+
+def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
+    problem = matplotlib_problem() if args.plot else None
+    if problem is not None:  # before the run, not after a minute of it
+        print(f"lmtier demo: error: {problem}", file=sys.stderr)
+        return 2
+    setup = set_up(args, config)
+    demo, config = setup.demo, setup.config
+    with open_cache(args, setup, client_name="lmtier demo") as cache:
+        problem = sidecar_problem(args, cache, command="lmtier demo")
+        if problem is not None:
+            print(problem, file=sys.stderr)
             return 1
-        rows = run_demo(demo, cache, device_cache=device_cache, seed=args.seed, scale=args.scale)
+        rows = run_demo(
+            demo, cache, device_cache=setup.device_cache, seed=args.seed, scale=args.scale
+        )
         cache.flush()
     summary = summarize(rows)
     if args.json:
@@ -237,21 +278,39 @@ def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
         chunk = config.chunk_size
         print(f"model {demo.model_id} ({demo.revision}), chunk {chunk} tokens, {tiers}\n")
         print_table(rows, summary)
+    if args.plot:
+        title = (
+            f"TTFT per request: {summary['ttft_ms_total']:.0f} ms with lmtier, "
+            f"{summary['ttft_no_cache_ms_total']:.0f} ms without ({summary['ttft_speedup']}x)"
+        )
+        write_ttft_plot(rows, args.plot, title=title, sidecar=bool(args.sidecar))
+        print(f"lmtier demo: wrote {args.plot}", file=sys.stderr)  # stdout stays the report
     return 0
 
 
-def _open_cache(
-    args: argparse.Namespace, config: LMTierConfig, demo: DemoModel, spec: KVSpec
-) -> LMTier:
-    """The embedded cache, or a client of the sidecar at ``--sidecar``."""
+def open_cache(args: argparse.Namespace, setup: DemoSetup, *, client_name: str) -> LMTier:
+    """The embedded cache, or a client of the sidecar at ``--sidecar`` (``client_name``
+    is how the sidecar's logs and metrics name this process)."""
+    demo = setup.demo
     model: dict[str, Any] = {
         "model_id": demo.model_id,
         "model_revision": demo.revision,
         "vocab_size": demo.vocab_size,
     }
     if not args.sidecar:
-        return LMTier.open(config, kv=spec, **model)
+        return LMTier.open(setup.config, kv=setup.spec, **model)
     token = read_token_file(args.sidecar_token_file) if args.sidecar_token_file else None
     return LMTier.connect(
-        args.sidecar, config, kv=spec, token=token, client_name="lmtier demo", **model
+        args.sidecar, setup.config, kv=setup.spec, token=token, client_name=client_name, **model
     )
+
+
+def sidecar_problem(args: argparse.Namespace, cache: LMTier, *, command: str) -> str | None:
+    """A one-line message when ``--sidecar`` was given and the sidecar does not answer
+    (a client that cannot reach it serves misses, which would look like a cold cache)."""
+    if args.sidecar and "sidecar" not in cache.stats():
+        return (
+            f"{command}: the sidecar at {args.sidecar} does not answer (is `lmtier "
+            "serve` running there, and is the token right?)"
+        )
+    return None

@@ -12,7 +12,6 @@ files for a local one), so changing the model never serves stale KV.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 import torch
 import xxhash
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from lmtier.model_dir import model_identity
 
 __all__ = ["DEMO_MODEL_ID", "DemoModel", "build_demo_model", "demo_config", "load_local_model"]
 
@@ -65,23 +66,18 @@ def build_demo_model(seed: int = 0) -> DemoModel:
 
 
 def load_local_model(path: str | os.PathLike[str]) -> DemoModel:
-    """A causal LM from a local directory (``config.json`` and weights; no hub access)."""
-    directory = Path(path)
+    """A causal LM from a local directory (``config.json`` and weights; no hub access),
+    named as every lmtier command names that directory (:mod:`lmtier.model_dir`)."""
+    directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not a model directory")
+    model_id, revision = model_identity(directory)
     model = (
         _untyped(AutoModelForCausalLM)
         .from_pretrained(directory, local_files_only=True, dtype=torch.float32)
         .eval()
     )
-    digest = xxhash.xxh3_64()
-    digest.update((directory / "config.json").read_bytes())
-    for file in sorted(directory.iterdir()):
-        if file.suffix in (".safetensors", ".bin"):
-            stat = file.stat()
-            digest.update(json.dumps([file.name, stat.st_size, stat.st_mtime_ns]).encode())
-    model_id = getattr(model.config, "_name_or_path", "") or directory.name
-    return DemoModel(model, str(model_id), digest.hexdigest(), int(model.config.vocab_size))
+    return DemoModel(model, model_id, revision, int(model.config.vocab_size))
 
 
 def _untyped(obj: object) -> Any:
