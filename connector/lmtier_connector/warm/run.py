@@ -1,0 +1,219 @@
+"""The loop of ``lmtier warm``: read prompts, skip what is cached, warm the rest.
+
+Idempotent and resumable by construction, with no journal to keep: before a prompt
+is computed or fetched, one lookup asks how many of its chunks are cached, and a
+prompt whose every full chunk is cached is skipped. So a second run does nothing
+(but lookups), and a run interrupted (SIGINT) continues where it stopped: what the
+first stored is found, what it had not stored yet is warmed, and nothing is lost,
+since the cache is flushed and closed on the way out, interrupted or not.
+
+Prompts shorter than one chunk are skipped too: no full chunk, nothing to cache.
+
+Modes (:class:`Warm`): ``model`` computes the KV with a local model
+(:mod:`.compute`), ``prefetch`` pulls chunks already in a shared tier (Redis, S3)
+into this node's tiers (``LMTier.prefetch_keys``), and ``via`` sends each prompt to
+a running engine (:mod:`.via`: the engine computes and saves its own KV). With
+``pin``, the chunks of every prompt warmed or found cached are pinned at the end
+(``LMTier.pin_keys``: exempt from LRU eviction within the tiers' pin caps).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from lmtier.api import LMTier
+from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import LMTierError
+from lmtier_connector.warm.compute import ModelWarmer, WarmItem
+from lmtier_connector.warm.inputs import Prompt, PromptError, check_length, tokenize
+from lmtier_connector.warm.progress import Progress, Tally
+from lmtier_connector.warm.via import EngineClient, EngineUnavailable
+
+__all__ = ["PIN_BATCH", "Warm", "warm_via"]
+
+PIN_BATCH = 4096
+"""Keys pinned per call at the end of a run."""
+GIVE_UP_AFTER = 8
+"""``--via`` stops when this many prompts in a row fail the same way before any was
+warmed (a wrong API key, a wrong model name): the rest would only fail too."""
+
+
+@dataclass
+class Warm:
+    """One warm-up run into ``cache`` (embedded tiers or a sidecar client)."""
+
+    cache: LMTier
+    tokenizer: Any
+    tally: Tally
+    progress: Progress
+    warmer: ModelWarmer | None = None
+    """Set for ``model`` mode; None with ``prefetch``."""
+    cache_salt: str = ""
+    pin: bool = False
+    max_len: int | None = None
+    """The model's context: longer prompts are reported, not warmed."""
+    errors: TextIO = field(default_factory=lambda: sys.stderr)
+    _batch: list[WarmItem] = field(default_factory=list)
+    _to_pin: list[ChunkKey] = field(default_factory=list)
+
+    def run(self, prompts: Iterable[Prompt | PromptError]) -> None:
+        """Warm every prompt; on KeyboardInterrupt stop, marking the tally
+        ``interrupted``. Either way flush what was stored, pin, count per tier."""
+        before = _puts(self.cache)
+        started = time.monotonic()
+        try:
+            for item in prompts:
+                self._one(item)
+                self.progress.update()
+            self._drain()
+        except KeyboardInterrupt:
+            self.tally.interrupted = True
+        finally:
+            self.progress.close()
+            self.cache.flush()
+            if self.pin and not self.tally.interrupted:
+                self._pin()
+            self.tally.seconds = time.monotonic() - started
+            if self.warmer is not None:
+                after = _puts(self.cache)
+                for tier, count in after.items():
+                    if count - before.get(tier, 0) > 0:
+                        self.tally.chunks_stored[tier] = count - before.get(tier, 0)
+
+    def _one(self, item: Prompt | PromptError) -> None:
+        tally = self.tally
+        tally.prompts += 1
+        if isinstance(item, PromptError):
+            self._error(str(item))
+            return
+        try:
+            tokens = tokenize(item, self.tokenizer)
+        except LMTierError as exc:
+            self._error(str(exc))
+            return
+        if self.max_len is not None and (
+            problem := check_length(tokens, self.max_len, item.source)
+        ):
+            self._error(str(problem))
+            return
+        try:
+            keys = self.cache.keys(tokens, cache_salt=self.cache_salt)
+        except LMTierError as exc:  # a token id out of the model's vocabulary
+            self._error(f"{item.source}: {exc}")
+            return
+        tally.prompt_tokens += len(tokens)
+        # A prefetch is for chunks this node lacks: only its own tiers count as cached.
+        local = self.warmer is None
+        found = self.cache.lookup_keys(keys, local_only=local).num_chunks if keys else 0
+        tally.cached_tokens += found * self.cache.chunk_size
+        if self.pin:
+            self._to_pin.extend(keys)
+        if found == len(keys):
+            tally.skipped += 1
+            return
+        if self.warmer is None:
+            fetched = self.cache.prefetch_keys(keys[found:])
+            for tier, count in fetched.items():
+                tally.chunks_stored[tier] = tally.chunks_stored.get(tier, 0) + count
+            tally.warmed += 1
+            return
+        self._batch.append(WarmItem(tokens, keys, found))
+        if len(self._batch) >= self.warmer.batch_size:
+            self._drain()
+
+    def _drain(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch or self.warmer is None:
+            return
+        self.warmer.warm(batch, self.cache_salt)
+        for item in batch:
+            self.tally.warmed += 1
+            self.tally.computed_tokens += item.computed_tokens
+
+    def _pin(self) -> None:
+        keys = list(dict.fromkeys(self._to_pin))
+        for start in range(0, len(keys), PIN_BATCH):
+            for tier, count in self.cache.pin_keys(keys[start : start + PIN_BATCH]).items():
+                if count >= 0:
+                    self.tally.pinned[tier] = self.tally.pinned.get(tier, 0) + count
+
+    def _error(self, line: str) -> None:
+        self.tally.error(line)
+        print(f"lmtier warm: {line}", file=self.errors, flush=True)
+
+
+def warm_via(
+    client: EngineClient,
+    prompts: Iterable[Prompt | PromptError],
+    tally: Tally,
+    progress: Progress,
+    *,
+    concurrency: int,
+    errors: TextIO | None = None,
+) -> None:
+    """``--via``: send every prompt to the engine, ``concurrency`` at a time (an engine
+    with lmtier answers an already-cached prompt from its cache, so a rerun is cheap).
+    Bad input lines and failed prompts are printed and counted; KeyboardInterrupt
+    stops the run (requests in flight finish), marking the tally ``interrupted``."""
+    stream = errors or sys.stderr
+
+    def report(line: str) -> None:
+        tally.error(line)
+        print(f"lmtier warm: {line}", file=stream, flush=True)
+
+    started = time.monotonic()
+    results = client.warm_all(_good(prompts, tally, report), concurrency)
+    same: list[str] = []  # the last failures, while they are all the same
+    try:
+        for result in results:
+            if result.error is not None:
+                report(f"{result.source}: {result.error}")
+                error = result.error
+                same = [*same, error] if same[-1:] in ([], [error]) else [error]
+                if len(same) >= GIVE_UP_AFTER and not tally.warmed:
+                    raise EngineUnavailable(
+                        f"the engine refused {len(same)} prompts in a row, nothing warmed: "
+                        f"{result.error}",
+                        url=client.url,
+                    )
+            else:
+                same = []
+                tally.warmed += 1
+                tally.prompt_tokens += result.prompt_tokens or 0
+                cached = result.cached_tokens or 0
+                tally.cached_tokens += cached
+                tally.computed_tokens += max(0, (result.prompt_tokens or 0) - cached)
+            progress.update()
+    except KeyboardInterrupt:
+        tally.interrupted = True
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+        progress.close()
+        tally.seconds = time.monotonic() - started
+
+
+def _good(
+    prompts: Iterable[Prompt | PromptError], tally: Tally, report: Callable[[str], None]
+) -> Iterator[Prompt]:
+    for item in prompts:
+        tally.prompts += 1
+        if isinstance(item, PromptError):
+            report(str(item))
+        else:
+            yield item
+
+
+def _puts(cache: LMTier) -> dict[str, int]:
+    """Chunks each tier has stored so far (its ``puts`` counter)."""
+    out: dict[str, int] = {}
+    for tier, entry in cache.stats().items():
+        puts = entry.get("puts")
+        if isinstance(puts, (int, float)):
+            out[tier] = int(puts)
+    return out
