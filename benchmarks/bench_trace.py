@@ -33,8 +33,12 @@ Workloads: a seeded synthetic one (default), or ``--trace FILE``: ShareGPT-style
 tokenised deterministically without a tokenizer (words and punctuation, long words
 cut every 4 characters, each piece's CRC32 modulo a 32k vocabulary).
 
+``--capacities 0.01,0.05,...`` adds hit ratio against capacity: the same trace replayed
+unpaced through the CPU tier alone (disk off) at each capacity, a fraction of the working
+set, against an LRU of as many chunks and the ideal; the JSON gets a ``capacities`` list.
+
 Usage: python benchmarks/bench_trace.py [--quick] [--burner] [--trace FILE] [--load 0.25,0.5]
-       [--requests N] [--fsync true]   (last line: one JSON object)
+       [--requests N] [--fsync true] [--capacities 0.01,0.05]   (last line: one JSON object)
 """
 
 from __future__ import annotations
@@ -300,7 +304,7 @@ def replay(workload: Workload, config: LMTierConfig, rate: float | None) -> dict
         seconds = time.perf_counter() - started
         cache.flush()
         stats = cache.stats()
-    disk = _counters(stats["disk"])
+    disk = _counters(stats.get("disk", {}))
     return {
         "token_hit_ratio": round(hit_tokens / total_tokens, 4),
         "requests_per_s": round(len(workload.requests) / seconds, 1),
@@ -314,6 +318,38 @@ def replay(workload: Workload, config: LMTierConfig, rate: float | None) -> dict
 def _counters(entry: dict[str, object]) -> dict[str, int]:
     names = ("hits", "misses", "puts", "evictions", "queue_drops", "errors", "corrupt")
     return {name: int(entry.get(name) or 0) for name in names}  # type: ignore[call-overload]
+
+
+def capacity_sweep(
+    workload: Workload, working_set: int, fractions: list[float]
+) -> list[dict[str, Any]]:
+    """The trace replayed unpaced through the CPU tier alone at each capacity (a
+    fraction of the working set): token hit ratio against an LRU of as many chunks."""
+    file_bytes = SPEC.encoded_chunk_bytes(CHUNK)
+    rows = []
+    for fraction in fractions:
+        chunks = max(1, round(working_set * fraction))
+        lru = simulate(workload, chunks)
+        cpu = CPUTierConfig(capacity_bytes=chunks * file_bytes)
+        config = LMTierConfig(chunk_size=CHUNK, cpu=cpu, disk=DiskTierConfig(enabled=False))
+        run = replay(workload, config, None)
+        rows.append(
+            {
+                "capacity_fraction": fraction,
+                "capacity_chunks": chunks,
+                "capacity_mib": round(chunks * file_bytes / 2**20, 1),
+                "token_hit_ratio": run["token_hit_ratio"],
+                "lru_hit_ratio": round(lru.hit_ratio, 4),
+                "hit_vs_lru": ratio(run["token_hit_ratio"], lru.hit_ratio),
+                "requests_per_s": run["requests_per_s"],
+                "evictions": run["cpu"]["evictions"],
+            }
+        )
+    return rows
+
+
+def ratio(measured: float, baseline: float) -> float | None:
+    return round(measured / baseline, 3) if baseline else None
 
 
 # --- main -------------------------------------------------------------------------
@@ -332,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "raw disk's and the unpaced replay's request rates; the first is the target row",
     )
     parser.add_argument("--fsync", help="disk.fsync for the replays (default: the config's)")
+    parser.add_argument(
+        "--capacities",
+        help="also replay unpaced through the CPU tier alone (disk off) at these capacities, "
+        "comma-separated fractions of the working set (e.g. 0.01,0.02,0.05,0.1,0.2)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the disk tier goes")
     args = parser.parse_args(argv)
@@ -392,6 +433,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     for name, value in results.items():
         print(f"{name:>26}: {value}")
+    if args.capacities:
+        fractions = [float(x) for x in args.capacities.split(",")]
+        with burner(args.burner):
+            results["capacities"] = capacity_sweep(workload, ideal.chunks, fractions)
+        print(
+            f"{'CPU tier capacity':>26}  hit ratio     LRU  vs LRU  (ideal {ideal.hit_ratio:.4f})"
+        )
+        for row in results["capacities"]:
+            label = f"{row['capacity_fraction']:g} ({row['capacity_mib']} MiB)"
+            print(
+                f"{label:>26}  {row['token_hit_ratio']:>9}  {row['lru_hit_ratio']:>6}  "
+                f"{row['hit_vs_lru']!s:>6}"
+            )
     print(json.dumps(results))
 
 

@@ -9,7 +9,13 @@ A 3840-token prefix is cached and a 256-token suffix follows. Measured in one ru
   * a full 4096-token prefill, for the speedup, next to the FLOP-count ratio.
 Targets: overhead <= 10% of the ideal from the CPU tier, <= 25% from disk.
 
-Usage: python benchmarks/bench_ttft.py [--quick]   (last line: one JSON object)
+``--sweep`` adds TTFT against the cached prefix's length: the same 4096-token prompt
+with 0, 25, 50, 75 and 100% of it cached (whole chunks; at 100% the last chunk, which
+holds the last token, is computed), served from the CPU tier, each against the ideal
+with the same prefix already in the model's cache (at 0%: a plain prefill). The JSON
+gets a ``sweep`` entry; everything else is unchanged.
+
+Usage: python benchmarks/bench_ttft.py [--quick] [--sweep]   (last line: one JSON object)
 """
 
 from __future__ import annotations
@@ -22,16 +28,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import torch
 from transformers import DynamicCache
 
-from lmtier import LMTier, LMTierConfig
+from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
 from lmtier_connector.hf.demo_model import build_demo_model
 
 PREFIX, SUFFIX = 3840, 256
+Layers: TypeAlias = "list[tuple[torch.Tensor, torch.Tensor]]"
 
 
 def median_s(fn: Callable[[], float], repeats: int) -> float:
@@ -70,9 +78,69 @@ def drop_page_cache(root: Path) -> None:
             os.close(fd)
 
 
+SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""--sweep: the fractions of the prompt cached."""
+
+
+def sweep(
+    model: Any, spec: KVSpec, ident: dict[str, str], ids: list[int], layers: Layers, repeats: int
+) -> dict[str, Any]:
+    """TTFT of the whole prompt with each fraction of it cached in the CPU tier (one
+    cache salt a level, so each finds exactly its prefix), against the ideal of the
+    same level; interleaved rounds, medians, overheads are medians of per-round ratios."""
+    config = LMTierConfig(
+        cpu=CPUTierConfig(capacity_bytes=256 << 20), disk=DiskTierConfig(enabled=False)
+    )
+    with LMTier.open(config, kv=spec, **ident) as cache:
+        size, via = cache.chunk_size, CachedCausalLM(model, cache)
+        longest = (len(ids) - 1) // size * size  # the last token is always computed
+        levels = [min(round(f * len(ids)) // size * size, longest) for f in SWEEP]
+        prefixes = [  # the ideal's cache: the prefix KV as tensors in memory
+            [(k[:, :, :n].contiguous(), v[:, :, :n].contiguous()) for k, v in layers]
+            for n in levels
+        ]
+        for n in levels:
+            if n:
+                via.prefill(ids[:n], cache_salt=f"sweep-{n}")
+            result = via.prefill(ids, cache_salt=f"sweep-{n}", store=False)
+            assert result.tokens_by_tier == ({"cpu": n} if n else {}), result.tokens_by_tier
+
+        def ideal(index: int) -> float:
+            n = levels[index]
+            past = DynamicCache(prefixes[index]) if n else DynamicCache()
+            start = time.perf_counter()
+            model(torch.tensor([ids[n:]]), past_key_values=past, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - start
+
+        rounds = [
+            [
+                (ideal(i), via.prefill(ids, cache_salt=f"sweep-{n}", store=False).ttft_s)
+                for i, n in enumerate(levels)
+            ]
+            for _ in range(repeats)
+        ]
+    points = []
+    for i, (fraction, n) in enumerate(zip(SWEEP, levels, strict=True)):
+        pairs = [r[i] for r in rounds]
+        points.append(
+            {
+                "fraction": fraction,
+                "cached_tokens": n,
+                "computed_tokens": len(ids) - n,
+                "ideal_ms": round(statistics.median(p[0] for p in pairs) * 1e3, 1),
+                "cpu_tier_ms": round(statistics.median(p[1] for p in pairs) * 1e3, 1),
+                "overhead_vs_ideal": round(statistics.median(p[1] / p[0] - 1 for p in pairs), 3),
+            }
+        )
+    return {"prompt_tokens": len(ids), "tier": "cpu", "rounds": repeats, "points": points}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (< 60 s)")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also TTFT with 0-100%% of the prompt cached"
+    )
     args = parser.parse_args()
     repeats = 5 if args.quick else 15
     torch.set_grad_enabled(False)
@@ -157,6 +225,14 @@ def main() -> None:
     )
     for name, value in results.items():
         print(f"{name:>30}: {value}")
+    if args.sweep:
+        results["sweep"] = sweep(model, spec, ident, ids, layers, 3 if args.quick else 7)
+        print(f"{'cached tokens':>30}  {'ideal ms':>9}  {'CPU tier ms':>11}  overhead")
+        for point in results["sweep"]["points"]:
+            print(
+                f"{point['cached_tokens']:>30}  {point['ideal_ms']:>9}  "
+                f"{point['cpu_tier_ms']:>11}  {point['overhead_vs_ideal']:+.1%}"
+            )
     print(json.dumps(results))
 
 

@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter prompts")
     args = parser.parse_args()
-    count, length, rounds = (4, 1024, 3) if args.quick else (8, 2048, 5)
+    count, length, rounds = (4, 1024, 5) if args.quick else (8, 2048, 7)
     torch.set_num_threads(1)  # both sides alike; a loaded 2-core machine stays fair
     demo = build_demo_model(0)
     spec = kv_spec_of(demo.model)
