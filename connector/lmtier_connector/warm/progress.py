@@ -32,8 +32,11 @@ class Tally:
     """Tokens this run prefilled (``--model``) or the engine reported uncached (``--via``)."""
     cached_tokens: int = 0
     """Tokens already cached when their prompt came up."""
+    new_chunks: int = 0
+    """Chunks this run computed and stored (counted as they are stored)."""
     chunks_stored: dict[str, int] = field(default_factory=dict)
-    """Chunks each tier received during the run (its ``puts``), or prefetched from it."""
+    """Chunks each tier received during the run (its ``puts``, read at the end), or, with
+    ``--prefetch``, chunks fetched from it."""
     pinned: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     interrupted: bool = False
@@ -104,6 +107,8 @@ class Progress:
         seconds = time.monotonic() - self.started
         rate = tally.computed_tokens / seconds if seconds > 0 else 0.0
         stored = " ".join(f"{t}:{n}" for t, n in tally.chunks_stored.items() if n)
+        if tally.new_chunks:
+            stored = f"stored {tally.new_chunks:,} chunks {stored}"
         detail = (
             f"{tally.prompt_tokens:,} tok  {rate:,.0f} tok/s  skipped {tally.skipped}  "
             f"failed {tally.failed}  {stored}"

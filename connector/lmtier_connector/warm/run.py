@@ -133,6 +133,7 @@ class Warm:
         for item in batch:
             self.tally.warmed += 1
             self.tally.computed_tokens += item.computed_tokens
+            self.tally.new_chunks += item.stored_chunks
 
     def _pin(self) -> None:
         keys = list(dict.fromkeys(self._to_pin))
