@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from redis_servers import RedisServer
 
 from lmtier import LMTier, load_config
@@ -37,10 +38,10 @@ def node(directory: Path, redis_url: str | None) -> Path:
     return path
 
 
-def warm(config: Path, *args: str) -> dict[str, Any]:
+def warm(config: Path, *args: str, stdin: str | None = None) -> dict[str, Any]:
     result = subprocess.run(
         [sys.executable, "-m", "lmtier.cli", "--config", str(config), "warm", "--json", *args, "-"],
-        input=json.dumps(PROMPT) + "\n",
+        input=stdin if stdin is not None else json.dumps(PROMPT) + "\n",
         capture_output=True,
         text=True,
         check=False,
@@ -76,3 +77,65 @@ def test_prefetch_pulls_a_peers_chunks_from_redis_onto_local_disk(
         assert found.tokens_by_tier(CHUNK) == {"disk": 5 * CHUNK}
         with cache.load(PROMPT["tokens"]) as hit:
             assert hit.num_tokens == 5 * CHUNK  # checksums verified on the way
+
+
+def model_dir_without_weights(directory: Path) -> Path:
+    """A model directory as far as keys go: config.json and a tokenizer, no weights."""
+    from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
+
+    directory.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 128,
+        "vocab_size": 259,
+        "max_position_embeddings": 4096,
+        "dtype": "float32",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    demo_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_prefetch_with_a_model_directory_reads_no_weights(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    from lmtier.model_dir import model_identity
+    from lmtier.ops.model_args import model_settings
+
+    redis_server.client().flushall()
+    model = model_dir_without_weights(tmp_path / "model")
+    config = node(tmp_path / "node", redis_server.url)
+    text = "A shared system prompt. " * 20
+    args = ("--prefetch", "--model", str(model))
+    result = subprocess.run(
+        [sys.executable, "-m", "lmtier.cli", "--config", str(config), "warm", "--json", *args, "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # ran without weights; nothing there
+    assert "nothing to prefetch" in result.stderr and "Traceback" not in result.stderr
+
+    # The same namespace stored into Redis by another process: now prefetch finds it.
+    model_id, revision = model_identity(model)
+    fields, vocab = model_settings(model)
+    from lmtier import KVSpec
+    from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
+
+    ids = demo_tokenizer()(text)["input_ids"]
+    spec = KVSpec(**fields)
+    remote_only = load_config(config).replace(disk=load_config(config).disk.replace(enabled=False))
+    with LMTier.open(
+        remote_only, kv=spec, model_id=model_id, model_revision=revision, vocab_size=vocab
+    ) as cache:
+        stored = cache.store(ids, torch.randn(spec.shape(len(ids))))
+        cache.flush()
+    assert stored == len(ids) // CHUNK
+    summary = warm(config, *args, stdin=text)
+    assert summary["warmed"] == 1 and summary["chunks_stored"] == {"redis": stored}

@@ -295,7 +295,7 @@ def open_cache(args: argparse.Namespace, setup: DemoSetup, *, client_name: str) 
     model: dict[str, Any] = {
         "model_id": demo.model_id,
         "model_revision": demo.revision,
-        "vocab_size": demo.vocab_size,
+        "vocab_size": demo.vocab_size or None,  # 0: unknown (a model read without weights)
     }
     if not args.sidecar:
         return LMTier.open(setup.config, kv=setup.spec, **model)

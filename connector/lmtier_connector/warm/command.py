@@ -21,9 +21,12 @@ from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.errors import InvalidRequestError
+from lmtier.kv_spec import KVSpec
+from lmtier.model_dir import model_identity
+from lmtier.ops.model_args import model_settings
 from lmtier_connector.hf.adapter import kv_spec_of
 from lmtier_connector.hf.demo import DemoSetup, open_cache, sidecar_problem
-from lmtier_connector.hf.demo_model import build_demo_model, load_local_model
+from lmtier_connector.hf.demo_model import DemoModel, build_demo_model, load_local_model
 from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
 from lmtier_connector.hf.threads import set_torch_threads
 from lmtier_connector.sidecar import read_token_file
@@ -94,17 +97,28 @@ def _via(
 
 @contextlib.contextmanager
 def _opened(
-    args: argparse.Namespace, config: LMTierConfig, err: TextIO, command: str
+    args: argparse.Namespace,
+    config: LMTierConfig,
+    err: TextIO,
+    command: str,
+    *,
+    weights: bool = True,
 ) -> Iterator[tuple[Any, Any, LMTier] | None]:
     """The model (``--model DIR``, else the demo Llama), its tokenizer, and the cache
-    (embedded, or ``--sidecar``); None, with a message, when the sidecar is down."""
+    (embedded, or ``--sidecar``); None, with a message, when the sidecar is down.
+    Without ``weights`` (prefetch, unpin: only the keys matter), a model directory's
+    weights are not loaded: its identity and KV geometry come from its files."""
     threads = set_torch_threads(args.threads)
-    demo = load_local_model(args.model) if args.model else build_demo_model(args.seed)
-    device = _device(getattr(args, "device", "cpu"))
-    if device != "cpu":
-        demo.model.to(device)
+    if args.model and not weights:
+        demo, spec = _model_without_weights(args.model)
+    else:
+        demo = load_local_model(args.model) if args.model else build_demo_model(args.seed)
+        device = _device(getattr(args, "device", "cpu"))
+        if device != "cpu":
+            demo.model.to(device)
+        spec = kv_spec_of(demo.model)
     tokenizer = _tokenizer(args.model) if args.model else demo_tokenizer()
-    setup = DemoSetup(demo, config, kv_spec_of(demo.model), None, threads)
+    setup = DemoSetup(demo, config, spec, None, threads)
     with open_cache(args, setup, client_name=f"lmtier {command}") as cache:
         problem = sidecar_problem(args, cache, command=f"lmtier {command}")
         if problem is not None:
@@ -112,6 +126,15 @@ def _opened(
             yield None
         else:
             yield demo, tokenizer, cache
+
+
+def _model_without_weights(directory: str) -> tuple[DemoModel, KVSpec]:
+    """A model directory's identity and KV geometry from its files alone (the same
+    namespace :func:`load_local_model` gives, without reading the weights)."""
+    path = Path(directory).expanduser()
+    model_id, revision = model_identity(path)
+    fields, vocab = model_settings(path)
+    return DemoModel(None, model_id, revision, vocab or 0), KVSpec(**fields)
 
 
 def _with_cache(
@@ -123,14 +146,15 @@ def _with_cache(
     prompts: Any,
     err: TextIO,
 ) -> int:
-    with _opened(args, config, err, "warm") as opened:
+    with _opened(args, config, err, "warm", weights=not args.prefetch) as opened:
         if opened is None:
             progress.close()
             return EXIT_PARTIAL
         demo, tokenizer, cache = opened
         batch = args.batch_size
         warmer = None if args.prefetch else ModelWarmer(demo.model, cache, batch_size=batch)
-        context = getattr(demo.model.config, "max_position_embeddings", None)
+        # No model read (a prefetch): nothing is prefilled, so no context to fit.
+        context = getattr(getattr(demo.model, "config", None), "max_position_embeddings", None)
         Warm(
             cache,
             tokenizer,
@@ -154,7 +178,7 @@ def run_unpin(args: argparse.Namespace, config: LMTierConfig, *, out: TextIO, er
     if args.cache_dir:
         config = config.replace(disk=config.disk.replace(path=Path(args.cache_dir)))
     failed = 0
-    with _opened(args, config, err, "unpin") as opened:
+    with _opened(args, config, err, "unpin", weights=False) as opened:
         if opened is None:
             return EXIT_PARTIAL
         _, tokenizer, cache = opened

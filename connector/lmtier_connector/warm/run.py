@@ -87,24 +87,10 @@ class Warm:
     def _one(self, item: Prompt | PromptError) -> None:
         tally = self.tally
         tally.prompts += 1
-        if isinstance(item, PromptError):
-            self._error(str(item))
+        keyed = self._keyed(item)
+        if keyed is None:
             return
-        try:
-            tokens = tokenize(item, self.tokenizer)
-        except LMTierError as exc:
-            self._error(str(exc))
-            return
-        if self.max_len is not None and (
-            problem := check_length(tokens, self.max_len, item.source)
-        ):
-            self._error(str(problem))
-            return
-        try:
-            keys = self.cache.keys(tokens, cache_salt=self.cache_salt)
-        except LMTierError as exc:  # a token id out of the model's vocabulary
-            self._error(f"{item.source}: {exc}")
-            return
+        tokens, keys = keyed
         tally.prompt_tokens += len(tokens)
         # A prefetch is for chunks this node lacks: only its own tiers count as cached.
         local = self.warmer is None
@@ -114,16 +100,39 @@ class Warm:
             self._to_pin.extend(keys)
         if found == len(keys):
             tally.skipped += 1
+        elif self.warmer is None:
+            self._prefetch(item.source, keys[found:])
+        else:
+            self._batch.append(WarmItem(tokens, keys, found))
+            if len(self._batch) >= self.warmer.batch_size:
+                self._drain()
+
+    def _keyed(self, item: Prompt | PromptError) -> tuple[list[int], list[ChunkKey]] | None:
+        """The prompt's token ids and chunk keys; None (reported) for a bad prompt."""
+        if isinstance(item, PromptError):
+            self._error(str(item))
+            return None
+        try:
+            tokens = tokenize(item, self.tokenizer)
+            if self.max_len is not None and (
+                problem := check_length(tokens, self.max_len, item.source)
+            ):
+                self._error(str(problem))
+                return None
+            return tokens, self.cache.keys(tokens, cache_salt=self.cache_salt)
+        except LMTierError as exc:  # untokenizable; a token id out of the vocabulary
+            message = str(exc)
+            self._error(message if message.startswith(item.source) else f"{item.source}: {message}")
+            return None
+
+    def _prefetch(self, source: str, keys: list[ChunkKey]) -> None:
+        fetched = self.cache.prefetch_keys(keys)
+        if not fetched:
+            self._error(f"{source}: no tier holds its next chunk: nothing to prefetch")
             return
-        if self.warmer is None:
-            fetched = self.cache.prefetch_keys(keys[found:])
-            for tier, count in fetched.items():
-                tally.chunks_stored[tier] = tally.chunks_stored.get(tier, 0) + count
-            tally.warmed += 1
-            return
-        self._batch.append(WarmItem(tokens, keys, found))
-        if len(self._batch) >= self.warmer.batch_size:
-            self._drain()
+        for tier, count in fetched.items():
+            self.tally.chunks_stored[tier] = self.tally.chunks_stored.get(tier, 0) + count
+        self.tally.warmed += 1
 
     def _drain(self) -> None:
         batch, self._batch = self._batch, []
