@@ -249,6 +249,8 @@ class StorageManager:
             if self.barriers.purging(key):
                 handle.release()
                 return False
+            if key in self.memory:  # stored before: its writes were queued then
+                return self.memory.adopt(key, handle, size)  # recency; the lease goes
             queued = True
             for tier in self.tiers:
                 if tier.properties.write_policy == "write_through":

@@ -120,6 +120,19 @@ def test_put_writes_through_in_the_background() -> None:
     run(body)
 
 
+def test_a_chunk_put_again_while_cached_is_not_written_again() -> None:
+    async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
+        items = chunks(3)
+        await put_all(manager, items)
+        await manager.flush()
+        await put_all(manager, items)  # a store that did not skip what is cached
+        await manager.flush()
+        assert (disk.stats.puts, remote.stats.puts) == (3, 3)
+        assert manager.memory.stats.puts == 3
+
+    run(body)
+
+
 def test_write_back_tier_gets_only_evicted_chunks() -> None:
     props = TierProperties(shared=False, write_policy="write_back")
 
