@@ -67,7 +67,8 @@ class Server:
             with OPENER.open(request, timeout=240) as response:
                 return int(response.status), bytes(response.read())
         except urllib.error.HTTPError as error:
-            return error.code, error.read()
+            with error:  # its socket, closed now rather than by the garbage collector
+                return error.code, error.read()
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         status, raw = self.request(path, body)

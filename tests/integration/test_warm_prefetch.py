@@ -24,6 +24,11 @@ CHUNK = 64
 PROMPT = {"tokens": list(range(2000, 2000 + 5 * CHUNK + 7))}
 
 
+def flush(redis_server: RedisServer) -> None:
+    with redis_server.client() as client:  # closed: no socket left for the collector
+        client.flushall()
+
+
 def node(directory: Path, redis_url: str | None) -> Path:
     settings: dict[str, Any] = {
         "chunk_size": CHUNK,
@@ -55,7 +60,7 @@ def warm(config: Path, *args: str, stdin: str | None = None) -> dict[str, Any]:
 def test_prefetch_pulls_a_peers_chunks_from_redis_onto_local_disk(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    redis_server.client().flushall()
+    flush(redis_server)
     computed = warm(node(tmp_path / "a", redis_server.url))
     assert computed["warmed"] == 1 and computed["chunks_stored"]["redis"] == 5
 
@@ -64,7 +69,7 @@ def test_prefetch_pulls_a_peers_chunks_from_redis_onto_local_disk(
     assert (fetched["warmed"], fetched["chunks_stored"]) == (1, {"redis": 5})
     assert warm(b, "--prefetch")["skipped"] == 1, "now on B's disk: nothing to fetch"
 
-    redis_server.client().flushall()
+    flush(redis_server)
     demo = build_demo_model(0)
     local_only = node(tmp_path / "b", None)
     with LMTier.open(
@@ -106,7 +111,7 @@ def test_prefetch_with_a_model_directory_reads_no_weights(
     from lmtier.model_dir import model_identity
     from lmtier.ops.model_args import model_settings
 
-    redis_server.client().flushall()
+    flush(redis_server)
     model = model_dir_without_weights(tmp_path / "model")
     config = node(tmp_path / "node", redis_server.url)
     text = "A shared system prompt. " * 20

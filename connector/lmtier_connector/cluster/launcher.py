@@ -1,0 +1,331 @@
+"""``lmtier cluster up``: docker-compose.yml's topology as local processes.
+
+One ``redis-server`` (a generated password, a free loopback port), one S3 endpoint
+(``minio server`` when a ``minio`` binary is on PATH, else moto's server, with the
+bucket created), and N nodes, each a sidecar (``lmtier serve`` on
+``unix://<dir>/node-<i>/sidecar.sock``) and a demo engine (``lmtier demo serve``
+over that sidecar). The processes read the same config files as docker-compose.yml
+(:data:`CONFIG_FILES`); what differs between the two (addresses, paths, secrets)
+reaches them as ``LMTIER_*`` and ``AWS_*`` variables, as the files' comments say
+(:mod:`.commands`).
+
+Everything lives in one directory: ``cluster.json`` (pids, addresses) and the
+secrets (:mod:`.state`), ``logs/`` (one file per process), Redis's and MinIO's data,
+each node's socket and disk tier. Each process runs in its own session; readiness is
+waited for by probing (:mod:`.health`), never by sleeping; :meth:`LocalCluster.down`
+stops the processes by their recorded pids (:mod:`.processes`) and removes nothing
+unless asked (``clean``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+
+import yaml
+
+from lmtier.errors import ConfigError
+from lmtier_connector.cluster import commands, health
+from lmtier_connector.cluster.processes import is_running, spawn, stop_processes
+from lmtier_connector.cluster.state import (
+    TOKEN_FILE,
+    ClusterError,
+    ClusterSecrets,
+    ClusterState,
+    NodeInfo,
+    ProcessInfo,
+    read_state,
+)
+
+__all__ = ["CONFIG_FILES", "LocalCluster", "default_directory", "find_deploy_dir"]
+
+CONFIG_FILES = {
+    "sidecar": Path("deploy/cluster/sidecar.yaml"),
+    "engine": Path("deploy/cluster/engine.yaml"),
+}
+"""The config files of a node's sidecar and engine, relative to the repository root:
+the ones docker-compose.yml mounts (a test compares the two)."""
+START_TIMEOUT_S = 60.0
+"""Redis, S3 and the sidecars; an engine gets three times this (torch and the model)."""
+STOP_TIMEOUT_S = {"engine": 30.0, "sidecar": 40.0, "shared": 15.0}
+"""SIGTERM to SIGKILL, per stage: a sidecar drains within ``drain_timeout_s`` (20 s)."""
+_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with its NUL
+
+
+def default_directory() -> Path:
+    """Where a cluster lives without ``--dir``: ``$XDG_CACHE_HOME/lmtier/cluster``."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
+    return base / "lmtier" / "cluster"
+
+
+def find_deploy_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The repository root holding :data:`CONFIG_FILES`: ``explicit`` (``--deploy-dir``),
+    else the checkout this package runs from. A ConfigError when the files are not there."""
+    candidate = (
+        Path(explicit).expanduser().resolve()
+        if explicit is not None
+        else Path(__file__).resolve().parents[3]  # <root>/connector/lmtier_connector/cluster/
+    )
+    missing = [str(path) for path in CONFIG_FILES.values() if not (candidate / path).is_file()]
+    if missing:
+        hint = "" if explicit is not None else " (lmtier is not run from a checkout)"
+        raise ConfigError(
+            f"the cluster's config files {', '.join(missing)} are not under {candidate}"
+            f"{hint}: pass --deploy-dir, the lmtier checkout with deploy/cluster/"
+        )
+    return candidate
+
+
+class LocalCluster:
+    """The cluster of the module docstring, in ``directory``. ``engine_args`` are more
+    ``lmtier demo serve`` options (``--check-logits``); ``sidecar_env`` more variables
+    for every sidecar (``LMTIER_CPU__CAPACITY_BYTES`` for a smaller pool)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        nodes: int = 2,
+        deploy_dir: str | os.PathLike[str] | None = None,
+        engine_args: Sequence[str] = (),
+        sidecar_env: Mapping[str, str] | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        if nodes < 1:
+            raise ConfigError(f"a cluster needs at least one node, got {nodes}")
+        self.directory = Path(directory).expanduser().resolve()
+        self.num_nodes = nodes
+        self._deploy_dir = deploy_dir
+        self.engine_args = list(engine_args)
+        self.sidecar_env = dict(sidecar_env or {})
+        self.start_timeout_s = start_timeout_s
+        self._state: ClusterState | None = None
+        self._secrets: ClusterSecrets | None = None
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    @classmethod
+    def attach(cls, directory: str | os.PathLike[str]) -> LocalCluster:
+        """The cluster an earlier ``start`` (maybe another process's) left in ``directory``."""
+        cluster = cls(directory)
+        cluster._state = read_state(cluster.directory)
+        cluster.num_nodes = len(cluster._state.nodes)
+        return cluster
+
+    @property
+    def state(self) -> ClusterState:
+        """What runs where (``cluster.json``); a ClusterError before :meth:`start`."""
+        if self._state is None:
+            raise ClusterError(f"the cluster in {self.directory} was not started")
+        return self._state
+
+    @property
+    def secrets(self) -> ClusterSecrets:
+        """The cluster's credentials (``secrets.env``)."""
+        if self._secrets is None:
+            self._secrets = ClusterSecrets.load(self.directory)
+        return self._secrets
+
+    @property
+    def redis_url(self) -> str:
+        """Redis's URL, password included."""
+        return self.state.redis_url(self.secrets)
+
+    @property
+    def token_file(self) -> Path:
+        """The file holding the sidecars' token (first line)."""
+        return self.directory / TOKEN_FILE
+
+    def running(self) -> list[ProcessInfo]:
+        """The recorded processes that still run."""
+        return [info for info in self.state.processes() if is_running(info, self._children)]
+
+    def status(self) -> list[health.PartStatus]:
+        """Each process: whether it runs, and whether it answers its probe."""
+        return health.cluster_status(self.state, self.secrets, self._children)
+
+    # --- start -----------------------------------------------------------------------
+
+    def start(self) -> ClusterState:
+        """Start every process and wait until each is ready; on any failure, stop what
+        started and raise ClusterError (naming the log to read)."""
+        deploy_dir = find_deploy_dir(self._deploy_dir)
+        self._refuse_running_cluster()
+        settings = yaml.safe_load((deploy_dir / CONFIG_FILES["sidecar"]).read_text()) or {}
+        try:
+            for sub in ("logs", "redis", "s3"):
+                (self.directory / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.directory.chmod(0o700)  # secrets, sockets and KV inside
+        except OSError as exc:
+            raise ClusterError(f"cannot use {self.directory}: {exc.strerror}") from None
+        self._secrets = ClusterSecrets.generate()
+        self._secrets.save(self.directory)
+        self._state = ClusterState(
+            directory=str(self.directory),
+            deploy_dir=str(deploy_dir),
+            chunk_size=int(settings.get("chunk_size", 256)),
+            bucket=str(settings.get("s3", {}).get("bucket", "lmtier")),
+        )
+        self._state.save()
+        try:
+            self._start_redis()
+            self._start_s3()
+            self._start_sidecars(deploy_dir / CONFIG_FILES["sidecar"])
+            self._start_engines(deploy_dir / CONFIG_FILES["engine"])
+        except BaseException:
+            self.down()
+            raise
+        return self._state
+
+    def _refuse_running_cluster(self) -> None:
+        try:
+            earlier = LocalCluster.attach(self.directory)
+        except ClusterError:
+            return  # none, or a damaged file of a dead one: start afresh
+        if earlier.running():
+            raise ClusterError(
+                f"a cluster already runs in {self.directory}: "
+                f"`lmtier cluster down --dir {self.directory}` first"
+            )
+
+    def _spawn(
+        self, role: str, name: str, command: Sequence[str], env: Mapping[str, str]
+    ) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
+        """Start one process, logging to ``logs/<name>.log``; it is reaped as it exits."""
+        log = self.directory / "logs" / f"{name}.log"
+        environ = commands.child_env(env)
+        process, info = spawn(role, command, env=environ, log=log, cwd=self.directory)
+        self._children[process.pid] = process
+        return process, info
+
+    def _wait(self, probe: health.Probe, what: str, process: subprocess.Popen[bytes]) -> None:
+        timeout_s = self.start_timeout_s * (3 if "engine" in what else 1)
+        log = next(info.log for info in self.state.processes() if info.pid == process.pid)
+        health.wait_until(probe, what=what, timeout_s=timeout_s, exited=process.poll, log=log)
+
+    def _start_redis(self) -> None:
+        state, port = self.state, commands.free_port()
+        command = commands.redis_command(
+            self.directory / "redis", port, self.secrets.redis_password
+        )
+        process, state.redis = self._spawn("redis", "redis", command, {})
+        state.redis_address = f"{commands.HOST}:{port}"
+        state.save()
+        self._wait(lambda: health.redis_problem(self.redis_url), "redis-server", process)
+
+    def _start_s3(self) -> None:
+        state, port, keys = self.state, commands.free_port(), self.secrets
+        state.s3_kind, command = commands.s3_command(self.directory / "s3", port)
+        env = {"MINIO_ROOT_USER": keys.s3_access_key, "MINIO_ROOT_PASSWORD": keys.s3_secret_key}
+        process, state.s3 = self._spawn("s3", "s3", command, env)
+        state.s3_endpoint = f"http://{commands.HOST}:{port}"
+        state.save()
+        client = health.s3_client(state.s3_endpoint, keys.s3_access_key, keys.s3_secret_key)
+
+        def probe() -> str | None:
+            return health.ensure_bucket(client, state.bucket)
+
+        self._wait(probe, f"the S3 endpoint ({state.s3_kind})", process)
+
+    def _start_sidecars(self, config_file: Path) -> None:
+        state, started = self.state, []
+        for index in range(self.num_nodes):
+            name = f"node-{index}"
+            node_dir = self.directory / name
+            node_dir.mkdir(mode=0o700, exist_ok=True)
+            sock = node_dir / "sidecar.sock"
+            if len(f"{sock}.lane".encode()) > _UNIX_PATH_MAX:
+                raise ClusterError(f"{sock} is too long for a unix socket: use a shorter --dir")
+            port = commands.free_port()
+            env = commands.sidecar_env(
+                disk_path=node_dir / "disk",
+                redis_url=self.redis_url,
+                s3_endpoint=state.s3_endpoint,
+                keys=self.secrets,
+                token_file=self.token_file,
+                metrics_port=port,
+            )
+            command = commands.sidecar_command(config_file, sock)
+            env.update(self.sidecar_env)
+            process, info = self._spawn("sidecar", f"{name}-sidecar", command, env)
+            metrics = f"http://{commands.HOST}:{port}/metrics"
+            node = NodeInfo(name, info, f"unix://{sock}", metrics, str(node_dir / "disk"))
+            state.nodes.append(node)
+            started.append((node, process))
+            state.save()
+        for node, process in started:
+            self._wait(health.sidecar_probe(node), f"{node.name}'s sidecar", process)
+
+    def _start_engines(self, config_file: Path) -> None:
+        state, started = self.state, []
+        for index, node in enumerate(state.nodes):
+            log = self.directory / "logs" / f"{node.name}-engine.log"
+            offset = log.stat().st_size if log.exists() else 0
+            command = commands.engine_command(config_file, node.socket, self.token_file)
+            command += self.engine_args
+            process, info = self._spawn("engine", f"{node.name}-engine", command, {})
+            state.nodes[index] = replace(node, engine=info)
+            started.append((index, process, log, offset))
+            state.save()
+        for index, process, log, offset in started:
+            found: list[str] = []
+
+            def probe(
+                log: Path = log, offset: int = offset, found: list[str] = found
+            ) -> str | None:
+                url = commands.ready_url(log, offset)
+                if url is None:
+                    return "no ready line yet"
+                found.append(url)
+                return None
+
+            self._wait(probe, f"{state.nodes[index].name}'s engine", process)
+            state.nodes[index] = replace(state.nodes[index], engine_url=found[0])
+            state.save()
+
+    # --- stop --------------------------------------------------------------------------
+
+    def down(self, *, clean: bool = False) -> list[str]:
+        """Stop every process (module docstring); the problems, one line each. With
+        ``clean`` and no problem, the cluster's directory is removed too."""
+        if self._state is None:
+            return []
+        state = self._state
+        stages = [
+            ([n.engine for n in state.nodes if n.engine is not None], STOP_TIMEOUT_S["engine"]),
+            ([n.sidecar for n in state.nodes], STOP_TIMEOUT_S["sidecar"]),
+            ([p for p in (state.s3, state.redis) if p is not None], STOP_TIMEOUT_S["shared"]),
+        ]
+        problems = stop_processes(stages, self._children)
+        self._remove_pool_files(state)
+        if clean and not problems:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        return problems
+
+    def _remove_pool_files(self, state: ClusterState) -> None:
+        """The shared-memory pool file of a sidecar that was killed (SIGKILL leaves it; a
+        drained sidecar removes its own), named by its pid, so no other file is touched."""
+        shm_dir = Path(self.sidecar_env.get("LMTIER_SIDECAR__SHM_DIR", "/dev/shm"))  # noqa: S108
+        for node in state.nodes:
+            if not is_running(node.sidecar, self._children):
+                for path in shm_dir.glob(f"lmtier-{node.sidecar.pid}-*.pool"):
+                    path.unlink(missing_ok=True)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        problems = self.down()
+        if problems and exc is None:
+            raise ClusterError("; ".join(problems))
