@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
+from lmtier_connector.hf.compat import call_with_cache
 from lmtier_connector.hf.demo_model import build_demo_model
 
 PREFIX, SUFFIX = 3840, 256
@@ -109,7 +110,7 @@ def sweep(
             n = levels[index]
             past = DynamicCache(prefixes[index]) if n else DynamicCache()
             start = time.perf_counter()
-            model(torch.tensor([ids[n:]]), past_key_values=past, use_cache=True, logits_to_keep=1)
+            call_with_cache(model, torch.tensor([ids[n:]]), past, use_cache=True, logits_to_keep=1)
             return time.perf_counter() - start
 
         rounds = [
@@ -158,7 +159,7 @@ def main() -> None:
     def ideal() -> float:
         cache = DynamicCache(layers)  # the KV is already in the model's cache object
         start = time.perf_counter()
-        model(suffix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        call_with_cache(model, suffix, cache, use_cache=True, logits_to_keep=1)
         return time.perf_counter() - start
 
     workdir = Path(tempfile.mkdtemp(prefix="lmtier-ttft-"))

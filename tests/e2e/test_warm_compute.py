@@ -9,6 +9,7 @@ import torch
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier_connector.hf.adapter import kv_spec_of
+from lmtier_connector.hf.compat import output_cache
 from lmtier_connector.hf.demo_model import build_demo_model
 from lmtier_connector.warm.compute import ModelWarmer, WarmItem
 
@@ -20,7 +21,7 @@ CHUNK = 32
 def plain_kv(model: object, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     with torch.inference_mode():
         out = model(torch.tensor([ids]), use_cache=True)  # type: ignore[operator]
-    return [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+    return [(layer.keys[0], layer.values[0]) for layer in output_cache(out).layers]
 
 
 def test_batched_and_partly_cached_prompts_store_their_own_kv() -> None:

@@ -33,6 +33,7 @@ from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkHasher, Namespace
 from lmtier.kv_spec import KVSpec, LayerKV
 from lmtier_connector.device.prefix_cache import DeviceHit, DevicePrefixCache
+from lmtier_connector.hf.compat import call_with_cache
 
 __all__ = ["CachedCausalLM", "PrefillResult", "kv_spec_of"]
 
@@ -113,7 +114,7 @@ class CachedCausalLM:
         with torch.inference_mode():
             for _ in range(max_new_tokens - 1):
                 step = torch.tensor([[token]], dtype=torch.long, device=self.device)
-                out = self.model(step, past_key_values=past, use_cache=True)
+                out = call_with_cache(self.model, step, past, use_cache=True)
                 token = int(out.logits[0, -1].argmax())
                 generated.append(token)
         if hasher is not None:
@@ -153,7 +154,7 @@ class CachedCausalLM:
         past, cached, tiers, skip = self._load_prefix(ids, hasher, device_hit)
         suffix = torch.tensor([ids[cached:]], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.model(suffix, past_key_values=past, use_cache=True, logits_to_keep=1)
+            out = call_with_cache(self.model, suffix, past, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1]
         ttft = time.perf_counter() - started
         result = PrefillResult(logits, past, len(ids), cached, ttft, tiers)

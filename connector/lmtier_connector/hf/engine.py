@@ -34,6 +34,7 @@ import torch
 
 from lmtier.errors import InvalidRequestError
 from lmtier_connector.hf.adapter import CachedCausalLM
+from lmtier_connector.hf.compat import call_with_cache
 from lmtier_connector.hf.demo_tokenizer import CHAT_TEMPLATE, demo_tokenizer
 
 __all__ = [
@@ -300,7 +301,7 @@ class Engine:
                 if step + 1 < params.max_tokens:  # no forward pass for a token never sampled
                     ids = torch.tensor([[token]], dtype=torch.long, device=self.llm.device)
                     with torch.inference_mode():
-                        out = self.llm.model(ids, past_key_values=past, use_cache=True)
+                        out = call_with_cache(self.llm.model, ids, past, use_cache=True)
                     logits = out.logits[0, -1]
             outcome.finish_reason = "length"
         finally:  # the reply's chunks too: a conversation's next turn finds them

@@ -22,6 +22,7 @@ from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import LayerKV
 from lmtier_connector.hf.adapter import CachedCausalLM
+from lmtier_connector.hf.compat import output_cache
 
 __all__ = ["ModelWarmer", "WarmItem"]
 
@@ -81,7 +82,7 @@ class ModelWarmer:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        layers = _layers(out.past_key_values)
+        layers = _layers(output_cache(out))
         for row, (item, length) in enumerate(zip(batch, lengths, strict=True)):
             if not length:
                 continue
