@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lmtier_connector.hf.compat import call_with_cache, output_cache  # noqa: E402
+from lmtier_connector.hf.compat import call_with_cache, output_cache
 
 
 class OldModel:
