@@ -4,7 +4,9 @@
 URL that may carry one (``redis://:password@host``). Both print redacted; the only
 way to the value is an explicit ``reveal()``, so a grep for ``reveal(`` finds every
 place a secret leaves its wrapper. :func:`redact_url` is the same redaction as a
-plain function, for logging code that holds a URL string.
+plain function, for logging code that holds a URL string. :func:`read_secret_file`
+reads a token kept in a file (the sidecar's, an engine's, an API key), the one way
+every command and integration does it.
 
 Why wrappers and not a redacting ``__repr__`` on the config classes: a secret also
 travels outside the config (into a backend's constructor, an exception message, a
@@ -14,10 +16,27 @@ debug log of its kwargs), and the wrapper stays redacted on every one of those p
 from __future__ import annotations
 
 import hmac
+import logging
+import os
 import re
+import stat
+from pathlib import Path
 from urllib.parse import unquote_plus
 
-__all__ = ["MASK", "REDACTED", "Secret", "SecretURL", "redact_url"]
+from lmtier.errors import ConfigError
+
+__all__ = [
+    "MASK",
+    "REDACTED",
+    "Secret",
+    "SecretURL",
+    "read_secret_file",
+    "read_secret_text",
+    "redact_url",
+    "warn_if_shared",
+]
+
+logger = logging.getLogger(__name__)
 
 REDACTED = "***"
 """What replaces a password or a secret query value in a redacted URL."""
@@ -150,3 +169,41 @@ class SecretURL:
     def __hash__(self) -> int:
         # The redacted form carries no secret and equal URLs redact equally.
         return hash(redact_url(self._url))
+
+
+def warn_if_shared(path: Path, what: str) -> None:
+    """Log a warning (naming the file, never its content) if others may read it."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # the read that follows reports it
+    if mode & 0o077:
+        logger.warning(
+            "%s %s is accessible to group or others (mode %03o); chmod 600 it",
+            what,
+            path,
+            stat.S_IMODE(mode),
+        )
+
+
+def read_secret_text(path: Path, what: str) -> str:
+    """The text of a file holding secrets; ConfigError naming ``what`` (the setting or
+    flag) and the reason when it cannot be read, never the content."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ConfigError(f"{what}: cannot read {path}: {reason}", key=what) from None
+
+
+def read_secret_file(path: str | os.PathLike[str], what: str) -> Secret:
+    """The first line of the file at ``path`` (``~`` expanded), stripped, as a Secret:
+    how a token is kept in a file. Warns if group or others may read the file;
+    ConfigError naming ``what`` when it cannot be read or that line is empty."""
+    file = Path(path).expanduser()
+    warn_if_shared(file, what)
+    lines = read_secret_text(file, what).splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ConfigError(f"{what}: the first line of {file} is empty; put the token there")
+    return Secret(token)

@@ -16,11 +16,11 @@ either (``stats``, ``lookup``). Two things differ from an engine's cache:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmtier.chunks.format import align_up
 from lmtier.config import LMTierConfig, Secret
+from lmtier.config.secrets import read_secret_file
 from lmtier.errors import BackendUnavailable
 
 if TYPE_CHECKING:
@@ -101,14 +101,11 @@ def open_cache(
 
 
 def _token(config: LMTierConfig, token_file: str | None) -> Secret | None:
-    # The sidecar's own reader: the same errors, and a warning for a shared file.
-    from lmtier.sidecar.auth import _read_token_file  # noqa: PLC0415 - the grpc extra
-
     if token_file:
-        return _read_token_file(Path(token_file).expanduser(), "--sidecar-token-file")
+        return read_secret_file(token_file, "--sidecar-token-file")
     sidecar = config.sidecar
     if sidecar.auth_token is not None:
         return sidecar.auth_token
     if sidecar.auth_token_file is not None:
-        return _read_token_file(sidecar.auth_token_file, "sidecar.auth_token_file")
+        return read_secret_file(sidecar.auth_token_file, "sidecar.auth_token_file")
     return None

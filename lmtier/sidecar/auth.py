@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import grpc
 import yaml
 
-from lmtier.config.secrets import Secret
+from lmtier.config.secrets import Secret, read_secret_file, read_secret_text, warn_if_shared
 from lmtier.config.sidecar import SidecarConfig
 from lmtier.errors import AuthenticationError, ConfigError, brief
 
@@ -116,7 +115,7 @@ class Authenticator:
         if sidecar.auth_token is not None:
             tokens.append((sidecar.auth_token, Principal("auth_token")))
         if sidecar.auth_token_file is not None:
-            token = _read_token_file(sidecar.auth_token_file, "sidecar.auth_token_file")
+            token = read_secret_file(sidecar.auth_token_file, "sidecar.auth_token_file")
             tokens.append((token, Principal("auth_token_file")))
         if sidecar.tokens_file is not None:
             tokens.extend(_read_tokens_file(sidecar.tokens_file))
@@ -178,45 +177,12 @@ def _check_token(token: str, where: str) -> None:
         raise ConfigError(f"sidecar: the token of {where} must be printable ASCII without spaces")
 
 
-def _warn_if_shared(path: Path, what: str) -> None:
-    """Log a warning (naming the file, never its content) if others may read it."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return  # the read that follows reports it
-    if mode & 0o077:
-        logger.warning(
-            "%s %s is accessible to group or others (mode %03o); chmod 600 it",
-            what,
-            path,
-            stat.S_IMODE(mode),
-        )
-
-
-def _read_text(path: Path, what: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise ConfigError(f"{what}: cannot read {path}: {reason}", key=what) from None
-
-
-def _read_token_file(path: Path, what: str) -> Secret:
-    """The first line of ``path``, stripped, as a Secret."""
-    _warn_if_shared(path, what)
-    lines = _read_text(path, what).splitlines()
-    token = lines[0].strip() if lines else ""
-    if not token:
-        raise ConfigError(f"{what}: the first line of {path} is empty; put the token there")
-    return Secret(token)
-
-
 def _read_tokens_file(path: Path) -> list[tuple[Secret, Principal]]:
     """The entries of a ``tokens_file`` (YAML list of mappings)."""
     what = "sidecar.tokens_file"
-    _warn_if_shared(path, what)
+    warn_if_shared(path, what)
     try:
-        entries = yaml.safe_load(_read_text(path, what))
+        entries = yaml.safe_load(read_secret_text(path, what))
     except yaml.YAMLError as exc:
         # The problem and its position only: yaml's full message quotes the line, which
         # may hold a token (its problems quote at most one character).
@@ -253,7 +219,7 @@ def _entry(item: object, index: int, path: Path) -> tuple[Secret, Principal]:
         if not isinstance(item["token_file"], str) or not item["token_file"].strip():
             raise ConfigError(f"{where}: 'token_file' must be a path")
         token_path = path.parent / Path(item["token_file"]).expanduser()
-        secret = _read_token_file(token_path, f"{where}: token_file")
+        secret = read_secret_file(token_path, f"{where}: token_file")
     principal = Principal(name, _scope(item, "models", where), _scope(item, "salts", where))
     _check_token(secret.reveal(), f"{path} entry {index}")
     return secret, principal
@@ -289,7 +255,7 @@ def server_credentials(sidecar: SidecarConfig) -> grpc.ServerCredentials | None:
     if sidecar.tls_cert_file is None or sidecar.tls_key_file is None:
         return None
     cert = _read_pem(sidecar.tls_cert_file, "sidecar.tls_cert_file")
-    _warn_if_shared(sidecar.tls_key_file, "sidecar.tls_key_file")
+    warn_if_shared(sidecar.tls_key_file, "sidecar.tls_key_file")
     key = _read_pem(sidecar.tls_key_file, "sidecar.tls_key_file")
     client_ca = None
     if sidecar.tls_client_ca_file is not None:

@@ -38,13 +38,13 @@ import torch
 
 from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, parse_size
+from lmtier.config.secrets import read_secret_file
 from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.prefix_cache import DevicePrefixCache
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
 from lmtier_connector.hf.demo_model import DemoModel, build_demo_model, load_local_model
 from lmtier_connector.hf.plot import matplotlib_problem, write_ttft_plot
 from lmtier_connector.hf.threads import set_torch_threads
-from lmtier_connector.sidecar import read_token_file
 
 __all__ = [
     "DemoRow",
@@ -299,7 +299,11 @@ def open_cache(args: argparse.Namespace, setup: DemoSetup, *, client_name: str) 
     }
     if not args.sidecar:
         return LMTier.open(setup.config, kv=setup.spec, **model)
-    token = read_token_file(args.sidecar_token_file) if args.sidecar_token_file else None
+    token = (
+        read_secret_file(args.sidecar_token_file, "--sidecar-token-file")
+        if args.sidecar_token_file
+        else None
+    )
     return LMTier.connect(
         args.sidecar, setup.config, kv=setup.spec, token=token, client_name=client_name, **model
     )

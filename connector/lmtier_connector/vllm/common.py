@@ -20,8 +20,8 @@ from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.chunks.vllm_hash import bind_block_hash
 from lmtier.config import Secret
+from lmtier.config.secrets import read_secret_file
 from lmtier.errors import ConfigError
-from lmtier_connector.sidecar import read_token_file
 
 __all__ = [
     "ChunkRefs",
@@ -111,7 +111,7 @@ def _sidecar_settings(extra: Mapping[str, Any]) -> SidecarSettings | None:
     if token_file is not None:
         if not isinstance(token_file, str) or not token_file.strip():
             raise ConfigError("kv_connector_extra_config.sidecar_token_file must be a path")
-        secret = read_token_file(token_file)
+        secret = read_secret_file(token_file, "sidecar_token_file")
     shared = extra.get("sidecar_shared_memory", True)
     if not isinstance(shared, bool):
         raise ConfigError("kv_connector_extra_config.sidecar_shared_memory must be a bool")

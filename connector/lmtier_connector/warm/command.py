@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig
+from lmtier.config.secrets import read_secret_file
 from lmtier.errors import InvalidRequestError
 from lmtier.kv_spec import KVSpec
 from lmtier.model_dir import model_identity
@@ -29,7 +30,6 @@ from lmtier_connector.hf.demo import DemoSetup, open_cache, sidecar_problem
 from lmtier_connector.hf.demo_model import DemoModel, build_demo_model, load_local_model
 from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
 from lmtier_connector.hf.threads import set_torch_threads
-from lmtier_connector.sidecar import read_token_file
 from lmtier_connector.warm.compute import ModelWarmer
 from lmtier_connector.warm.inputs import (
     JSONL_SUFFIXES,
@@ -90,7 +90,7 @@ def run_warm(args: argparse.Namespace, config: LMTierConfig, *, out: TextIO, err
 def _via(
     args: argparse.Namespace, tally: Tally, progress: Progress, prompts: Any, err: TextIO
 ) -> None:
-    key = read_token_file(args.api_key_file, "--api-key-file") if args.api_key_file else None
+    key = read_secret_file(args.api_key_file, "--api-key-file") if args.api_key_file else None
     client = EngineClient(args.via, model=args.served_model_name, api_key=key)
     warm_via(client, prompts, tally, progress, concurrency=args.concurrency, errors=err)
 
