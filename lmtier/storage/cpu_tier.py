@@ -167,8 +167,10 @@ class CPUTier(Tier):
     def _evict_one(self) -> bool:
         victim = None
         pins = self.pins
+        passed: list[ChunkKey] = []  # pinned keys the walk went by
         for key, entry in self._entries.items():
             if key in pins:
+                passed.append(key)
                 continue
             readers = entry.handle.refcount - 1 - self._write_leases.get(entry.handle.index, 0)
             if readers:
@@ -178,6 +180,8 @@ class CPUTier(Tier):
                 break
             if victim is None:
                 victim = key  # only background writes hold it: next best
+        for key in passed:  # out of the next walk's way: each pin is walked past once
+            self._entries.move_to_end(key)
         if victim is None:
             return False
         entry = self._entries.pop(victim)

@@ -230,17 +230,8 @@ class DiskIndex:
         """Remove least recently used files (never ones being written, nor ``keep``)
         until ``excess`` bytes are covered, or no file is left; returns them for the
         caller to unlink."""
-        victims: list[tuple[ChunkKey, int]] = []
         with self._lock:
-            for key, size in self._sizes.items():
-                if excess <= 0:
-                    break
-                if key not in self._writing and key not in keep and key not in self.pinned:
-                    victims.append((key, size))
-                    excess -= size
-            for key, _ in victims:
-                self._remove(key)
-        return victims
+            return self._evict(excess, keep)
 
     def touch(self, key: ChunkKey) -> None:
         """Mark a hit: move ``key`` to the most recently used end."""
@@ -274,17 +265,7 @@ class DiskIndex:
             for done, (key, size) in enumerate(items):
                 if self._reserved + held + size > self.capacity:
                     return done, victims
-                excess = self.used + size - self.capacity
-                evicted: list[tuple[ChunkKey, int]] = []
-                for victim, victim_size in self._sizes.items():  # least recently used first
-                    if excess <= 0:
-                        break
-                    if victim not in self._writing and victim not in self.pinned:
-                        evicted.append((victim, victim_size))
-                        excess -= victim_size
-                for victim, _ in evicted:
-                    self._remove(victim)
-                victims += evicted
+                victims += self._evict(self.used + size - self.capacity)
                 if key not in self._writing:
                     held += self._sizes.get(key, 0)
                 self._writing[key] += 1
@@ -317,6 +298,29 @@ class DiskIndex:
             for key in keys:
                 self._remove(key)
         return keys
+
+    def _evict(
+        self, excess: int, keep: Collection[ChunkKey] = ()
+    ) -> list[tuple[ChunkKey, int]]:
+        """Drop least recently used entries (not being written, not ``keep``, not
+        pinned) from the index until ``excess`` bytes are covered; the (key, size) of
+        each. Pinned keys walked past move to the recent end, so that every eviction
+        does not walk past every pin again. Under the lock."""
+        victims: list[tuple[ChunkKey, int]] = []
+        passed: list[ChunkKey] = []
+        for key, size in self._sizes.items():
+            if excess <= 0:
+                break
+            if key in self.pinned:
+                passed.append(key)
+            elif key not in self._writing and key not in keep:
+                victims.append((key, size))
+                excess -= size
+        for key in passed:
+            self._sizes.move_to_end(key)
+        for key, _ in victims:
+            self._remove(key)
+        return victims
 
     def _remove(self, key: ChunkKey) -> int | None:
         size = self._sizes.pop(key, None)
