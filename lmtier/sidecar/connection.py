@@ -42,7 +42,7 @@ from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 
-__all__ = ["ClientSession", "Connection", "SidecarUnavailable"]
+__all__ = ["ClientSession", "Connection", "SidecarUnavailable", "serving_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -415,3 +415,22 @@ def _first_event(call: Any, timeout_s: float) -> pb.SessionEvent:
         raise SidecarUnavailable("the sidecar ended the session before opening it")
     event: pb.SessionEvent = first
     return event
+
+
+def serving_problem(target: str, timeout_s: float) -> str | None:
+    """None when the sidecar at ``target`` (a gRPC target: ``unix:///...``, ``host:port``)
+    says SERVING through ``grpc.health.v1``, which needs no token (it tells whether the
+    process serves, nothing of what it holds); else why not, in a few words."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415 - probes only
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+    except grpc.RpcError as exc:
+        return f"sidecar {target}: {exc.code().name}"
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return f"sidecar {target}: {name}"
+    return None

@@ -84,21 +84,14 @@ class SidecarProcess:
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until the health service says SERVING."""
-        import grpc  # noqa: PLC0415 - the grpc extra
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+        from lmtier.sidecar.connection import serving_problem  # noqa: PLC0415 - grpc extra
 
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"the sidecar exited ({self.process.returncode}):\n{self.log()}")
-            try:
-                with grpc.insecure_channel(self.target) as channel:
-                    stub = health_pb2_grpc.HealthStub(channel)
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-            except grpc.RpcError:
-                pass
+            if serving_problem(self.target, 1.0) is None:
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the sidecar did not serve in {timeout_s} s:\n{self.log()}")
             time.sleep(0.05)

@@ -299,9 +299,7 @@ class DiskIndex:
                 self._remove(key)
         return keys
 
-    def _evict(
-        self, excess: int, keep: Collection[ChunkKey] = ()
-    ) -> list[tuple[ChunkKey, int]]:
+    def _evict(self, excess: int, keep: Collection[ChunkKey] = ()) -> list[tuple[ChunkKey, int]]:
         """Drop least recently used entries (not being written, not ``keep``, not
         pinned) from the index until ``excess`` bytes are covered; the (key, size) of
         each. Pinned keys walked past move to the recent end, so that every eviction

@@ -160,22 +160,10 @@ def ensure_bucket(client: Any, bucket: str) -> str | None:
 
 
 def sidecar_problem(target: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """None when the sidecar at ``target`` says SERVING (grpc.health.v1, which needs no
-    token: it says whether the process serves, nothing of what it holds)."""
-    import grpc  # noqa: PLC0415 - the grpc extra
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+    """None when the sidecar at ``target`` says SERVING (grpc.health.v1)."""
+    from lmtier.sidecar.connection import serving_problem  # noqa: PLC0415 - the grpc extra
 
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s
-            )
-    except grpc.RpcError as exc:
-        return f"sidecar {target}: {exc.code().name}"
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        return f"sidecar {target}: {name}"
-    return None
+    return serving_problem(target, timeout_s)
 
 
 def sidecar_probe(node: NodeInfo) -> Probe:
