@@ -25,10 +25,10 @@ from lmtier.cli import add_namespace_arguments
 from lmtier.config import LMTierConfig
 from lmtier.ops import render
 from lmtier.ops.model_args import resolve_model
+from lmtier.storage.purging import PURGE_FAILED, PURGE_UNSUPPORTED
 
 __all__ = ["cmd_purge", "register"]
 
-PURGE_FAILED, PURGE_UNSUPPORTED = -1, -2  # lmtier.storage.purging's, without importing it
 EXIT_REFUSED = 2
 
 
