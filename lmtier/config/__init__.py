@@ -34,6 +34,7 @@ from lmtier.config.model import (
     chunk_size_problem,
     default_disk_path,
 )
+from lmtier.config.peer import PeerConfig
 from lmtier.config.secrets import Secret, SecretURL, redact_url
 from lmtier.config.sizes import format_size, parse_size
 from lmtier.config.sources import (
@@ -56,6 +57,7 @@ __all__ = [
     "ExtraTierConfig",
     "IntegrityConfig",
     "LMTierConfig",
+    "PeerConfig",
     "RedisTierConfig",
     "S3TierConfig",
     "Secret",

@@ -24,6 +24,7 @@ from urllib.parse import SplitResult, urlsplit
 from pydantic import AfterValidator, Field, field_validator
 
 from lmtier.chunks.keys import BLOCK_SIZE, HASH_ALGORITHMS, HashAlgorithm
+from lmtier.config.peer import PeerConfig
 from lmtier.config.secrets import MASK, Secret, SecretURL, redact_url
 from lmtier.config.section import Section as _Section
 from lmtier.config.sidecar import SidecarConfig
@@ -370,6 +371,8 @@ class LMTierConfig(_Section):
     """The Redis tier."""
     s3: S3TierConfig = Field(default_factory=S3TierConfig)
     """The S3 tier."""
+    peer: PeerConfig = Field(default_factory=PeerConfig)
+    """Chunks fetched from (and served to) other nodes' CPU tiers, after disk."""
     extra_tiers: tuple[ExtraTierConfig, ...] = ()
     """Tiers of third-party backends, after the others, in order."""
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
@@ -402,7 +405,7 @@ class LMTierConfig(_Section):
         """
         data: dict[str, Any] = self.model_dump(mode="json")
         if redact:
-            for name in ("redis", "s3", "integrity", "sidecar"):
+            for name in ("redis", "s3", "integrity", "sidecar", "peer"):
                 section = getattr(self, name)
                 for field_name in type(section).model_fields:
                     value = getattr(section, field_name)

@@ -3,8 +3,8 @@
 :class:`Sidecar` assembles the parts on one asyncio loop: the host pool (in shared
 memory when clients may map it), the StorageManager with every configured tier, one
 :class:`~lmtier.sidecar.namespaces.NamespaceCheck` for all the namespaces its
-sessions describe, the gRPC server (``lmtier.v1.Sidecar`` and ``grpc.health.v1``),
-the lease reaper and the Prometheus endpoint.
+sessions describe, the gRPC server (``lmtier.v1.Sidecar`` and ``grpc.health.v1``), the peer
+listener when ``peer.listen`` is set (:mod:`.peer`), the lease reaper and the Prometheus endpoint.
 
 Shutdown (SIGTERM or SIGINT) drains: health turns NOT_SERVING and new calls get
 UNAVAILABLE; sessions are told and end; calls in flight finish (up to half of
@@ -41,6 +41,7 @@ from lmtier.sidecar.listen import (
 )
 from lmtier.sidecar.metrics import MetricsServer, SidecarMetrics
 from lmtier.sidecar.namespaces import NamespaceCheck
+from lmtier.sidecar.peer import PeerServer
 from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shm import SharedRegion
@@ -79,6 +80,7 @@ class Sidecar:
         self._health = health.aio.HealthServicer()
         self._metrics_server: MetricsServer | None = None
         self._lane: LaneServer | None = None
+        self._peer: PeerServer | None = None
         self._manager: StorageManager | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = asyncio.Event()
@@ -114,6 +116,7 @@ class Sidecar:
             self._drop_shm()
             raise
         self._manager = manager
+        await self._open_peer(manager)
         sessions = Sessions(max_sessions=side.max_sessions, lease_ttl_s=side.lease_ttl_s)
         parts = Parts(config, manager, pool, check, sessions, self.auth, self.metrics, self.shm)
         self.service = service = SidecarService(parts)
@@ -135,6 +138,24 @@ class Sidecar:
             pool.slab_bytes,
             ", shared memory" if offer_shm else "",
         )
+
+    async def _open_peer(self, manager: StorageManager) -> None:
+        """With ``peer.listen``: serve this node's CPU tier to other nodes
+        (:mod:`.peer`) and tell the tiers, so that the peer tier publishes it."""
+        if not (self.config.peer.enabled and self.config.peer.listen):
+            return
+        peer = PeerServer(self.config, self.auth, self.metrics, manager.memory, manager.lock)
+        try:
+            node = await peer.start()
+            for tier in manager.tiers:
+                await tier.attach_node(node)
+        except BaseException:
+            await peer.stop(None)
+            await manager.close()
+            manager.memory.pool.close()
+            self._drop_shm()
+            raise
+        self._peer = peer
 
     async def _serve(self, service: SidecarService) -> None:
         side = self.config.sidecar
@@ -234,7 +255,9 @@ class Sidecar:
                 await asyncio.wait_for(manager.flush(), max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 logger.warning("drain: background writes still queued at the deadline")
-            await manager.close()
+            await manager.close()  # the peer tier withdraws this node from the directory
+        if self._peer is not None:
+            await self._peer.stop(0)
         if service is not None:
             for session in service.parts.sessions:
                 service.parts.sessions.close(session)

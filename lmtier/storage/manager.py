@@ -135,7 +135,7 @@ class StorageManager:
         """Namespaces being purged, and since when (:mod:`lmtier.storage.purging`)."""
         self.writes = BackgroundWrites(
             memory,
-            list(self.guards.values()),
+            [g for g in self.guards.values() if g.tier.properties.write_policy != "none"],
             Sealer(sign),
             lock=self.lock,
             barriers=self.barriers,

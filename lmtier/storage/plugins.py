@@ -7,7 +7,7 @@ The core never imports a backend: the disk, Redis and S3 tiers live in the
     disk = "lmtier_backends.disk.tier:open_tier"
 
 A factory is ``async def open_tier(section) -> Tier``. :func:`open_tiers` opens the
-enabled ones in waterfall order: disk, then Redis, then S3, then the config's
+enabled ones in waterfall order: disk, then peer, then Redis, then S3, then the config's
 ``extra_tiers`` (third-party backends, each given its
 :class:`~lmtier.config.ExtraTierConfig`: the entry point's name and its options).
 A factory that raises BackendError (the server is down) does not stop the cache from
@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from lmtier.config import LMTierConfig
+from lmtier.config import LMTierConfig, PeerConfig
 from lmtier.errors import BackendError, ConfigError
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Tier
@@ -56,6 +56,8 @@ def enabled_sections(config: LMTierConfig) -> list[tuple[str, Any]]:
     sections: list[tuple[str, Any]] = []
     if config.disk.enabled:
         sections.append(("disk", config.disk))
+    if config.peer.enabled:
+        sections.append(("peer", _peer_section(config)))
     if config.redis.url is not None:
         sections.append(("redis", config.redis))
     if config.s3.bucket is not None:
@@ -92,6 +94,20 @@ async def open_tiers(config: LMTierConfig) -> list[Tier]:
             await tier.close()
         raise
     return tiers
+
+
+def _peer_section(config: LMTierConfig) -> PeerConfig:
+    """The ``peer`` section with its directory and token filled from the ``redis`` and
+    ``sidecar`` sections where it leaves them empty; ConfigError without a directory."""
+    side = config.sidecar
+    peer = config.peer.resolved(
+        config.redis.url, config.redis.key_prefix, side.auth_token, side.auth_token_file
+    )
+    if peer.directory_url is None:
+        raise ConfigError(
+            "peer.enabled needs a directory: set peer.directory_url or redis.url", key="peer"
+        )
+    return peer
 
 
 def _opener(factory: TierFactory, section: Any) -> Callable[[], Awaitable[Tier]]:

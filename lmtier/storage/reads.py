@@ -269,4 +269,5 @@ class Reads:
             for tier in self.tiers:
                 if tier is source:
                     break
-                self.writes.enqueue(tier, key, handle, size)
+                if tier.properties.write_policy != "none":
+                    self.writes.enqueue(tier, key, handle, size)

@@ -60,13 +60,16 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 from lmtier.chunks.format import DecodedChunk, decode_as
 from lmtier.chunks.keys import ChunkKey, check_namespace
 from lmtier.errors import CorruptChunk, NotSupportedError
 from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
+
+if TYPE_CHECKING:
+    from lmtier.storage.node import LocalNode
 
 __all__ = [
     "DEFAULT_QUEUE_DEPTH",
@@ -83,7 +86,7 @@ logger = logging.getLogger(__name__)
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """Encoded chunk bytes handed to ``put``."""
 
-WritePolicy = Literal["write_through", "write_back"]
+WritePolicy = Literal["write_through", "write_back", "none"]
 _T = TypeVar("_T", bound="Tier")
 
 DEFAULT_QUEUE_DEPTH = 4096
@@ -114,7 +117,8 @@ class TierProperties:
     ``shared``: other processes or machines can write its chunks (chunks read from it
     must carry a valid MAC when an integrity key is set). ``write_policy``:
     ``write_through`` receives every new chunk in the background; ``write_back``
-    receives a chunk only when the memory tier evicts it. ``queue_depth``: chunks that
+    receives a chunk only when the memory tier evicts it; ``none`` is only read (the
+    peer tier: what it serves is other nodes' memory). ``queue_depth``: chunks that
     may wait for a background write before new ones are dropped (and counted) rather
     than blocking inference (capped at half the host pool's slabs).
     ``verify_reads``: validate every chunk read (checksums); only a tier holding
@@ -344,6 +348,12 @@ class Tier(ABC):
         except OSError as exc:
             self.stats.errors += 1
             logger.warning("%s: cannot save its pins to %s: %s", self.name, pins.path, exc)
+
+    async def attach_node(self, node: LocalNode) -> None:  # noqa: B027 - most tiers ignore it
+        """Told by a sidecar, once its StorageManager runs, what this node offers other
+        nodes: its CPU tier and the address of its peer listener. A tier that shares
+        the node's memory with a cluster (peer) starts publishing it; the others, the
+        default, ignore it."""
 
     def usage(self) -> dict[str, int]:
         """What the tier holds, for ``stats``: ``capacity_bytes``, ``used_bytes``,

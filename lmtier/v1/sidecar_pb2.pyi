@@ -333,3 +333,9 @@ class PinReply(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     pinned: _containers.ScalarMap[str, int]
     def __init__(self, pinned: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PeerFetchRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...

@@ -590,3 +590,81 @@ class Sidecar:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerStub:
+    """Chunk exchange between the sidecars of a cluster (the `peer` tier).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Fetch = channel.unary_stream(
+                '/lmtier.v1.Peer/Fetch',
+                request_serializer=lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_sidecar__pb2.ChunkPiece.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """Chunk exchange between the sidecars of a cluster (the `peer` tier).
+    """
+
+    def Fetch(self, request, context):
+        """Streams the chunks of `keys` that this node's CPU tier holds, in key order, each
+        whole (its pieces in order, offset 0 first); a key the tier does not hold is left
+        out. Never reads a lower tier: a request does not bounce between nodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_sidecar__pb2.ChunkPiece.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'lmtier.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('lmtier.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """Chunk exchange between the sidecars of a cluster (the `peer` tier).
+    """
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lmtier.v1.Peer/Fetch',
+            lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.SerializeToString,
+            lmtier_dot_v1_dot_sidecar__pb2.ChunkPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,272 @@
+"""The peer directory: which node's CPU tier holds which chunk, kept in the shared Redis.
+
+Two kinds of keys, all under one hash tag so that a Redis Cluster keeps them in one
+slot and one script can read them together::
+
+    <prefix>{peer}:node:<node id>     -> the node's peer address (host:port), PX ttl
+    <prefix>{peer}:chunk:<key hex>    -> the id of the node that holds the chunk, PX ttl
+
+A node's entry is its heartbeat: refreshed every third of ``ttl_s``, gone ``ttl_s``
+after the node stops. A chunk entry names one owner; a lookup returns an owner only
+while that owner's node entry lives, so a dead node's chunks stop being found when its
+heartbeat expires, whatever their own TTLs (which only bound the garbage).
+
+Every operation is one Lua script per batch (one round trip, atomic):
+
+* **lookup**: for each key, its owner and the owner's address, stopping at the first
+  key without a live owner (``contains`` needs the leading run only), or for every
+  key (a read);
+* **publish**: a node claims chunks it holds; an entry owned by another live node is
+  left alone (the first holder keeps serving it; a node that loaded a chunk from a
+  peer does not take it over), one owned by a dead node is taken;
+* **withdraw**: compare-and-delete: only the named owner's entries go, so a node that
+  evicted a chunk never removes another node's claim.
+
+Failures: redis-py's exceptions become :class:`~lmtier.errors.BackendUnavailable` or
+:class:`~lmtier.errors.BackendTimeout`. The connection is made on first use and
+remade after a failure, so a directory whose Redis is down at start costs misses, not
+a failed open. The URL's password never reaches a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lmtier.chunks.keys import ChunkKey
+from lmtier.config.secrets import SecretURL, redact_url
+from lmtier.errors import BackendTimeout, BackendUnavailable
+from lmtier_backends.redis.client import Route, open_route
+
+__all__ = ["BATCH_KEYS", "Owner", "PeerDirectory"]
+
+logger = logging.getLogger(__name__)
+
+BATCH_KEYS = 1024
+"""Keys per script call: large enough to amortise the round trip, small enough not to
+hold Redis (single-threaded) for more than about a millisecond."""
+CHUNK_TTL_FACTOR = 3
+"""Chunk entries live this many ``ttl_s`` (refreshed every ``ttl_s``): two refreshes may
+be lost before an entry of a live node expires."""
+
+Owner = tuple[str, str]
+"""A chunk's holder: (node id, peer address)."""
+
+_LOOKUP = """
+local out = {}
+local addresses = {}
+local every = ARGV[2] == '1'
+for i, key in ipairs(KEYS) do
+  local owner = redis.call('GET', key)
+  local address = false
+  if owner then
+    address = addresses[owner]
+    if address == nil then
+      address = redis.call('GET', ARGV[1] .. owner) or false
+      addresses[owner] = address
+    end
+  end
+  if address then
+    out[#out + 1] = owner
+    out[#out + 1] = address
+  elseif every then
+    out[#out + 1] = ''
+    out[#out + 1] = ''
+  else
+    break
+  end
+end
+return out
+"""
+
+_PUBLISH = """
+local claimed = 0
+for i, key in ipairs(KEYS) do
+  local owner = redis.call('GET', key)
+  if (not owner) or owner == ARGV[1] or redis.call('EXISTS', ARGV[3] .. owner) == 0 then
+    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
+    claimed = claimed + 1
+  end
+end
+return claimed
+"""
+
+_WITHDRAW = """
+local removed = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then
+    redis.call('DEL', key)
+    removed = removed + 1
+  end
+end
+return removed
+"""
+
+_LEAVE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class PeerDirectory:
+    """The directory in Redis (module docstring). Loop-bound; ``close`` when done."""
+
+    def __init__(
+        self,
+        url: str | SecretURL,
+        *,
+        key_prefix: str = "lmtier:",
+        ttl_s: float = 15.0,
+        timeout_s: float = 1.0,
+        max_connections: int = 4,
+    ) -> None:
+        self._url = url if isinstance(url, SecretURL) else SecretURL(url)
+        base = f"{key_prefix}{{peer}}:"
+        self._node_prefix = f"{base}node:"
+        self._chunk_prefix = f"{base}chunk:".encode()
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self._max_connections = max_connections
+        self._route: Route | None = None
+        self._scripts: dict[str, Any] = {}
+        self._opening: asyncio.Lock | None = None
+        self.where = f"peer directory at {redact_url(self._url.reveal())}"
+
+    def __repr__(self) -> str:
+        return f"PeerDirectory({self.where})"
+
+    # ---- names ---------------------------------------------------------------------
+
+    def chunk_name(self, key: ChunkKey) -> bytes:
+        """The Redis key of chunk ``key``'s entry."""
+        return self._chunk_prefix + key.hex().encode()
+
+    def node_name(self, node_id: str) -> str:
+        """The Redis key of node ``node_id``'s heartbeat."""
+        return self._node_prefix + node_id
+
+    # ---- operations ----------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[ChunkKey], *, every: bool = False) -> list[Owner | None]:
+        """The owner of each key: the leading run of keys with a live owner (a shorter
+        list), or with ``every`` one entry per key, None where no live node holds it."""
+        owners: list[Owner | None] = []
+        for start in range(0, len(keys), BATCH_KEYS):
+            batch = keys[start : start + BATCH_KEYS]
+            flat = await self._run(
+                "lookup",
+                _LOOKUP,
+                [self.chunk_name(key) for key in batch],
+                [self._node_prefix, "1" if every else "0"],
+            )
+            pairs = [(_text(flat[i]), _text(flat[i + 1])) for i in range(0, len(flat), 2)]
+            owners.extend(pair if pair[0] else None for pair in pairs)
+            if not every and len(pairs) < len(batch):
+                break
+        return owners
+
+    async def publish(self, node_id: str, keys: Sequence[ChunkKey]) -> int:
+        """Claim ``keys`` for ``node_id`` (refreshing its own claims); how many it holds now."""
+        ttl_ms = str(int(self.ttl_s * CHUNK_TTL_FACTOR * 1000))
+        claimed = 0
+        for start in range(0, len(keys), BATCH_KEYS):
+            names = [self.chunk_name(key) for key in keys[start : start + BATCH_KEYS]]
+            claimed += int(
+                await self._run("publish", _PUBLISH, names, [node_id, ttl_ms, self._node_prefix])
+            )
+        return claimed
+
+    async def withdraw(self, node_id: str, keys: Sequence[ChunkKey]) -> int:
+        """Remove the entries of ``keys`` that ``node_id`` owns; how many went."""
+        removed = 0
+        for start in range(0, len(keys), BATCH_KEYS):
+            names = [self.chunk_name(key) for key in keys[start : start + BATCH_KEYS]]
+            removed += int(await self._run("withdraw", _WITHDRAW, names, [node_id]))
+        return removed
+
+    async def heartbeat(self, node_id: str, address: str) -> None:
+        """Announce (or keep alive) ``node_id`` at ``address`` for ``ttl_s``."""
+        route = await self._connected()
+        ttl_ms = int(self.ttl_s * 1000)
+        await self._call(route.client.set(self.node_name(node_id), address, px=ttl_ms))
+
+    async def leave(self, node_id: str, address: str) -> None:
+        """Remove ``node_id``'s heartbeat if it still names ``address``: its chunks stop
+        being found at once."""
+        await self._run("leave", _LEAVE, [self.node_name(node_id)], [address])
+
+    async def nodes(self) -> dict[str, str]:
+        """Every live node and its address (for ``stats`` and tests; SCANs the slot)."""
+        route = await self._connected()
+        found: dict[str, str] = {}
+        async for name in route.client.scan_iter(match=self._node_prefix + "*", count=1000):
+            address = await self._call(route.client.get(name))
+            if address is not None:
+                found[_text(name)[len(self._node_prefix) :]] = _text(address)
+        return found
+
+    async def close(self) -> None:
+        """Close the connections; idempotent."""
+        route, self._route = self._route, None
+        self._scripts.clear()
+        if route is not None:
+            await route.aclose()
+
+    # ---- plumbing ------------------------------------------------------------------
+
+    async def _connected(self) -> Route:
+        if self._route is not None:
+            return self._route
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._route is None:
+                self._route = await self._call(
+                    open_route(
+                        self._url.reveal(),
+                        cluster=None,
+                        max_connections=self._max_connections,
+                        timeout_s=self.timeout_s,
+                    )
+                )
+        return self._route
+
+    async def _run(self, name: str, source: str, keys: list[Any], args: list[Any]) -> Any:
+        """Run script ``name`` (EVALSHA, loading it on NOSCRIPT) on the directory."""
+        route = await self._connected()
+        script = self._scripts.get(name)
+        if script is None:
+            script = self._scripts[name] = route.client.register_script(source)
+        return await self._call(script(keys=keys, args=args))
+
+    async def _call(self, call: Any) -> Any:
+        """Await a redis-py call; its failures as BackendError, and the connection
+        dropped so that the next call reconnects."""
+        try:
+            return await call
+        except (RedisTimeoutError, asyncio.TimeoutError) as exc:
+            await self._drop()
+            raise BackendTimeout(f"{self.where}: timed out") from exc
+        except (RedisError, OSError) as exc:
+            await self._drop()
+            raise BackendUnavailable(f"{self.where}: {type(exc).__name__}") from exc
+
+    async def _drop(self) -> None:
+        route, self._route = self._route, None
+        self._scripts.clear()
+        if route is not None:
+            try:
+                await route.aclose()
+            except (RedisError, OSError) as exc:  # closing a broken connection
+                logger.debug("%s: close after a failure: %s", self.where, exc)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

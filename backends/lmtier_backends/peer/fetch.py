@@ -1,0 +1,166 @@
+"""The client side of ``lmtier.v1.Peer/Fetch``: chunks of another node's CPU tier,
+streamed straight into the caller's buffers (pool slabs).
+
+One grpc.aio channel per peer address, kept open (HTTP/2 keepalive notices a peer
+that vanished). The pieces are parsed by :mod:`lmtier.sidecar.pieces` and copied once,
+from the received message into the buffer. A chunk is a hit only once every byte of
+it arrived in order; a chunk larger than its buffer is :data:`UNSERVABLE`; a stream
+that breaks leaves the chunks it finished and makes the rest misses.
+
+Buffers are written by this coroutine only, between two awaits of the stream, so a
+call that is cancelled touches no buffer afterwards (the tier contract).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from lmtier.chunks.keys import ChunkKey
+from lmtier.config.secrets import Secret
+from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable
+from lmtier.sidecar.auth import channel_credentials
+from lmtier.sidecar.pieces import Piece, decode_piece
+from lmtier.storage.budget import Progress
+from lmtier.storage.tier import UNSERVABLE
+from lmtier.v1 import sidecar_pb2 as pb
+
+__all__ = ["FETCH_METHOD", "PeerClient"]
+
+logger = logging.getLogger(__name__)
+
+FETCH_METHOD = "/lmtier.v1.Peer/Fetch"
+MAX_MESSAGE_BYTES = 64 * 1024**2
+"""The largest piece accepted from a peer (a peer cuts chunks at its
+``stream_piece_bytes``, 4 MiB by default)."""
+KEEPALIVE_MS = 10_000
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+class PeerClient:
+    """Fetches chunks from peers (module docstring). Loop-bound; ``close`` when done."""
+
+    def __init__(
+        self,
+        token: Secret | None,
+        *,
+        tls_ca_file: Path | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self._metadata = (("authorization", f"Bearer {token.reveal()}"),) if token else ()
+        self._credentials = channel_credentials(tls_ca_file) if tls_ca_file is not None else None
+        self.progress = progress or Progress()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._refused: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"PeerClient(peers={sorted(self._channels)})"
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            options = [
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+                ("grpc.enable_http_proxy", 0),
+            ]
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+            self._channels[address] = channel
+        return channel
+
+    async def fetch_into(
+        self, address: str, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Fetch ``keys`` from the peer at ``address`` into ``buffers``: each chunk's
+        length, None (the peer does not hold it, or the stream broke first) or
+        UNSERVABLE (larger than its buffer). Raises BackendError when the peer could not
+        be reached, refused the token, or failed before sending a whole chunk."""
+        intake = _Intake(keys, buffers)
+        call = self._channel(address).unary_stream(
+            FETCH_METHOD,
+            request_serializer=pb.PeerFetchRequest.SerializeToString,
+            response_deserializer=None,
+        )(pb.PeerFetchRequest(keys=b"".join(keys)), metadata=self._metadata)
+        try:
+            async for raw in call:
+                self.progress.tick()
+                intake.take(decode_piece(raw))
+        except grpc.aio.AioRpcError as exc:
+            if not any(size is not None for size in intake.sizes):
+                raise self._error(address, exc) from exc
+            logger.debug("peer %s: stream broke after some chunks: %s", address, exc.code())
+        except ValueError as exc:
+            logger.warning("peer %s sent a malformed stream: %s", address, exc)
+            intake.abandon()
+        finally:
+            call.cancel()
+        return intake.sizes
+
+    def _error(self, address: str, exc: grpc.aio.AioRpcError) -> BackendError:
+        code = exc.code()
+        if code in _REFUSED:
+            if address not in self._refused:
+                self._refused.add(address)
+                logger.warning(
+                    "peer %s refused this node's token (%s): set peer.token to a node "
+                    "token that every sidecar of the cluster accepts",
+                    address,
+                    code.name,
+                )
+            return BackendUnavailable(f"peer {address} refused the token ({code.name})")
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return BackendTimeout(f"peer {address}: deadline exceeded")
+        return BackendUnavailable(f"peer {address}: {code.name}")
+
+    async def close(self) -> None:
+        """Close every channel; idempotent."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+
+class _Intake:
+    """Where the pieces of one fetch go: each chunk whole and in order into its buffer."""
+
+    __slots__ = ("buffers", "filled", "index", "sizes", "skipping", "total", "where")
+
+    def __init__(self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]) -> None:
+        self.buffers = buffers
+        self.sizes: list[int | None] = [None] * len(keys)
+        self.where = {bytes(key): index for index, key in enumerate(keys)}
+        self.index = -1
+        self.total = self.filled = 0
+        self.skipping = False
+
+    def take(self, piece: Piece) -> None:
+        """Copy one piece into its chunk's buffer; ValueError for a piece out of place."""
+        if piece.offset == 0:
+            index = self.where.get(piece.key, -1)
+            if index < 0 or self.sizes[index] is not None or piece.total_length <= 0:
+                raise ValueError("a piece of a chunk that was not asked for")
+            self.index, self.total, self.filled = index, piece.total_length, 0
+            self.skipping = self.total > len(self.buffers[index])
+            if self.skipping:
+                self.sizes[index] = UNSERVABLE
+        elif self.index < 0 or piece.offset != self.filled:
+            raise ValueError("a piece out of order")
+        end = self.filled + len(piece.data)
+        if end > self.total:
+            raise ValueError("a piece past its chunk's length")
+        if not self.skipping:
+            self.buffers[self.index][self.filled : end] = piece.data
+        self.filled = end
+        if end == self.total and not self.skipping:
+            self.sizes[self.index] = end
+
+    def abandon(self) -> None:
+        """The stream went wrong: the chunk it was in the middle of is a miss."""
+        if self.index >= 0 and self.filled != self.total:
+            self.sizes[self.index] = None
