@@ -112,6 +112,12 @@ class PeerServer:
                 )
             host = self.address.grpc_target.rsplit(":", 1)[0]
             advertise = f"{host}:{port}"
+        if not self.address.loopback and credentials is None:
+            logger.warning(
+                "the peer listener %s has no TLS: tokens and KV travel in clear text; "
+                "set sidecar.tls_cert_file and sidecar.tls_key_file (and peer.tls_ca_file)",
+                target,
+            )
         self.node = LocalNode(self.memory, self.lock, advertise)
         logger.info("peer listener on %s (advertised as %s)", target, advertise)
         return self.node

@@ -310,6 +310,8 @@ def _queue_depths(manager: StorageManager) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for tier in manager.tiers:
         depth = manager.writes.depth(tier)
+        if depth is None:  # a tier without writes may still have work waiting (peer)
+            depth = tier.usage().get("pending")
         if depth is not None:
             out[tier.name] = {"queue_depth": float(depth)}
     return out

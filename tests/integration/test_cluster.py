@@ -2,10 +2,12 @@
 
 One two-node cluster serves the module (redis-server, moto's S3 server, two sidecars,
 two demo engines with --check-logits): node B is served, bit-exact, what node A
-computed, through Redis and then S3 (the demo's story); a wrong token cannot use a
-sidecar; with Redis killed B is served from S3; with A's sidecar killed both engines
-keep answering; `down` leaves no process (checked by pid, and again by the fixture
-after any failure). Then the CLI: `up`, `status --json`, `down` as processes.
+computed, from A's memory (peer), through Redis and then S3 (the demo's story); a
+wrong token cannot use a sidecar nor fetch from a peer; a peer killed costs misses and
+leaves the directory within its TTL; with Redis killed B is served from S3; with
+A's sidecar killed both engines keep answering; `down` leaves no process (checked by
+pid, and again by the fixture after any failure). Then the CLI: `up`, `status --json`,
+`down` as processes.
 
 The tests after the story break the cluster on purpose (Redis, then A's sidecar), so
 they run in file order, and each waits on conditions with deadlines, never on time.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 from redis_servers import RedisClusterProcesses, require_redis
 
@@ -52,8 +55,13 @@ FULL = (PROMPT_TOKENS - 1) // CHUNK * CHUNK  # what a node can be served of such
 MAX_LOGIT_DIFF = 1e-5
 """A cached prefill runs its matmuls over the suffix only, a different shape that BLAS
 may sum in another order: the logits may differ in the last bits (~1e-6)."""
-SIDECAR_ENV = {"LMTIER_CPU__CAPACITY_BYTES": "192MiB", "LMTIER_CPU__STAGING_BYTES": "64MiB"}
-"""Smaller pools than the config's 1.25 GiB (touched at start): room for ~90 chunks."""
+SIDECAR_ENV = {
+    "LMTIER_CPU__CAPACITY_BYTES": "192MiB",
+    "LMTIER_CPU__STAGING_BYTES": "64MiB",
+    "LMTIER_PEER__TTL_S": "3",
+}
+"""Smaller pools than the config's 1.25 GiB (touched at start): room for ~90 chunks;
+a dead node leaves the peer directory 3 s after its last heartbeat, not 15."""
 GONE_TIMEOUT_S = 30.0
 
 
@@ -125,26 +133,92 @@ def test_launcher_surfaces_it_depends_on(tmp_path: Path) -> None:
     assert not (tmp_path / "c").exists()
 
 
-def test_node_b_is_served_from_redis_then_s3_bit_exact(cluster: LocalCluster) -> None:
-    result = _story(cluster, redis_url=cluster.redis_url).run()
+def test_node_b_is_served_from_peer_redis_then_s3_bit_exact(cluster: LocalCluster) -> None:
+    result = _story(
+        cluster, redis_url=cluster.redis_url, forget_a=lambda: cluster.restart_sidecar(0)
+    ).run()
     assert result.notes == []  # every write awaited, every row served as told
-    rows = {(row.phase, row.node): row for row in result.rows}
-    assert [(r.phase, r.node, r.prompt) for r in result.rows] == [
-        (1, "A", "P1"),
-        (2, "B", "P1"),
-        (3, "A", "P2"),
-        (3, "B", "P2"),
-        (4, "B", "P1"),
+    assert [(r.phase, r.node, r.prompt, r.expected_tier) for r in result.rows] == [
+        (1, "A", "P1", "none"),
+        (2, "B", "P1", "peer"),
+        (3, "A", "P2", "none"),
+        (3, "A", "P3", "none"),
+        (3, "B", "P2", "redis"),
+        (4, "B", "P3", "s3"),
+        (5, "B", "P1", "cpu"),
     ]
-    assert rows[1, "A"].cached_tokens == 0 and rows[1, "A"].tiers == {}
-    assert rows[2, "B"].tiers == {"redis": FULL}
-    assert rows[3, "A"].cached_tokens == 0
-    assert rows[3, "B"].tiers == {"s3": FULL}
-    assert rows[4, "B"].tiers == {"cpu": FULL}
     for row in result.rows:
+        served = {} if row.expected_tier == "none" else {row.expected_tier: FULL}
+        assert row.tiers == served, row
         assert row.prompt_tokens == PROMPT_TOKENS
         assert row.cached_tokens == sum(row.tiers.values())
         assert row.max_logit_diff is not None and row.max_logit_diff <= MAX_LOGIT_DIFF, row
+
+
+def _peer_only_cache(cluster: LocalCluster, token: str, spec: KVSpec) -> LMTier:
+    """An embedded cache in this process whose only lower tier is the peer tier (no
+    Redis, S3 or disk): what it loads came from another node's memory."""
+    config = load_config(
+        env={},
+        overrides={
+            "cpu": {"capacity_bytes": "4MiB", "staging_bytes": "4MiB"},
+            "disk": {"enabled": False},
+            "peer": {"enabled": True, "directory_url": cluster.redis_url, "token": token},
+        },
+    )
+    return LMTier.open(config, kv=spec, model_id="cluster/peer")
+
+
+def test_the_peer_tier_serves_bit_exact_and_only_to_a_node_token(cluster: LocalCluster) -> None:
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
+    tokens = list(range(2000, 2000 + 3 * CHUNK + 5))
+    kv = torch.randn(spec.shape(len(tokens)), generator=torch.Generator().manual_seed(4))
+    token = cluster.secrets.sidecar_token
+    config = load_config(
+        env={}, overrides={"cpu": {"capacity_bytes": "4MiB", "staging_bytes": "4MiB"}}
+    )
+    node_b = LMTier.connect(
+        cluster.state.nodes[1].socket, config, kv=spec, model_id="cluster/peer", token=token
+    )
+    good, bad = _peer_only_cache(cluster, token, spec), _peer_only_cache(cluster, "x" + token, spec)
+    try:
+        assert node_b.store(tokens, kv) == 3  # in B's CPU tier, published by B's sidecar
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while good.lookup(tokens).num_chunks < 3:  # B's next publishing round
+            assert time.monotonic() < deadline, "B's chunks never reached the directory"
+            time.sleep(0.05)
+        with good.load(tokens) as hit:
+            assert hit.num_tokens == 3 * CHUNK
+            assert hit.tokens_by_tier() == {"peer": 3 * CHUNK}
+            assert torch.equal(hit.kv(), kv[:, :, : 3 * CHUNK])
+        assert bad.lookup(tokens).num_chunks == 3  # the directory is shared...
+        with bad.load(tokens) as hit:
+            assert hit.num_tokens == 0  # ...B's chunks are not: UNAUTHENTICATED, a miss
+    finally:
+        for cache in (bad, good, node_b):
+            cache.close()
+
+
+def test_a_dead_peer_costs_misses_and_leaves_the_directory(cluster: LocalCluster) -> None:
+    story = _story(cluster, phases=[])
+    story.row(story.a, "P7", step="A computes P7", expected="none")
+    node_a = cluster.state.nodes[0]
+    os.kill(node_a.sidecar.pid, signal.SIGKILL)  # no drain: it cannot withdraw anything
+    _wait_gone(node_a.sidecar, cluster)
+    row = story.row(story.b, "P7", step="A dead, B gets P7", expected="none")
+    assert row.tiers == {}  # the directory still named A: the fetch failed, B recomputed
+    assert row.prompt_tokens == PROMPT_TOKENS
+    assert row.max_logit_diff is not None and row.max_logit_diff <= MAX_LOGIT_DIFF
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        heartbeat = f"lmtier:{{peer}}:node:{node_a.name}"
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while client.exists(heartbeat):  # peer.ttl_s (SIDECAR_ENV) after its last beat
+            assert time.monotonic() < deadline, "the directory never forgot node A"
+            time.sleep(0.1)
+    finally:
+        client.close()
+    cluster.restart_sidecar(0)  # the tests after this one kill it again
 
 
 def test_a_wrong_token_cannot_use_a_sidecar(cluster: LocalCluster) -> None:
@@ -188,6 +262,7 @@ def test_redis_down_node_b_is_served_from_s3(cluster: LocalCluster) -> None:
     metrics = scrape_tier_metrics(cluster.state.nodes[1].metrics_url)
     assert metrics is not None  # B's lookups failed on Redis (then its breaker skipped it)
     assert metrics["errors", "redis"] + metrics["skipped", "redis"] > 0
+    assert metrics["errors", "peer"] + metrics["skipped", "peer"] > 0  # and the directory
 
 
 def test_a_sidecar_killed_mid_run_costs_misses_not_requests(cluster: LocalCluster) -> None:

@@ -24,6 +24,7 @@ import time
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import BackendError
 from lmtier.storage.node import LocalNode
+from lmtier.storage.stats import TierStats
 from lmtier_backends.peer.directory import PeerDirectory
 
 __all__ = ["LEAVE_TIMEOUT_S", "Publisher"]
@@ -38,9 +39,17 @@ class Publisher:
     """Publishes ``node``'s CPU tier as ``node_id`` (module docstring)."""
 
     def __init__(
-        self, directory: PeerDirectory, node: LocalNode, node_id: str, interval_s: float
+        self,
+        directory: PeerDirectory,
+        node: LocalNode,
+        node_id: str,
+        interval_s: float,
+        stats: TierStats | None = None,
     ) -> None:
         self.directory = directory
+        self.stats = stats or TierStats()
+        """The tier's stats: ``puts`` counts chunks published for the first time,
+        ``errors`` rounds the directory failed."""
         self.node = node
         self.node_id = node_id
         self.interval_s = interval_s
@@ -88,6 +97,7 @@ class Publisher:
                     self._failing = False
                 self.rounds += 1
             except BackendError as exc:
+                self.stats.errors += 1
                 if not self._failing:
                     logger.warning("peer: cannot publish this node's chunks: %s", exc)
                     self._failing = True
@@ -99,13 +109,24 @@ class Publisher:
         with self.node.lock:
             held = set(self.node.memory.keys())
         gone = [key for key in self.published if key not in held]
-        fresh = list(held) if full else [key for key in held if key not in self.published]
+        new = [key for key in held if key not in self.published]
         if gone:
             await self.directory.withdraw(self.node_id, gone)
             self.published.difference_update(gone)
+        fresh = list(held) if full else new
         if fresh:
             await self.directory.publish(self.node_id, fresh)
             self.published.update(fresh)
+            self.stats.puts += len(new)
+
+    def pending(self) -> int:
+        """Chunks the CPU tier holds that are not published yet (a snapshot, O(n)); 0
+        while the directory fails (nothing is waiting: it is all claimed anew later)."""
+        if self._failing:
+            return 0
+        with self.node.lock:
+            held = self.node.memory.keys()
+        return sum(key not in self.published for key in held)
 
     async def stop(self) -> None:
         """Stop the task; withdraw every claim and the heartbeat (bounded, best effort)."""

@@ -98,7 +98,9 @@ class PeerTier(Tier):
             raise RuntimeError(f"{self.name}: a node is attached already")
         self.node = node
         self.node_id = self.node_id or node.address
-        self.publisher = Publisher(self.directory, node, self.node_id, self.publish_interval_s)
+        self.publisher = Publisher(
+            self.directory, node, self.node_id, self.publish_interval_s, self.stats
+        )
         await self.publisher.start()
 
     # ---- lookups and reads ------------------------------------------------------------
@@ -220,6 +222,14 @@ class PeerTier(Tier):
                 node.memory.discard(mine)
             publisher.forget(mine)
         return removed
+
+    def usage(self) -> dict[str, int]:
+        """With a node attached: ``chunks`` published and ``pending``, held in the CPU
+        tier but not published yet (the sidecar reports it as the tier's queue depth)."""
+        publisher = self.publisher
+        if publisher is None:
+            return {}
+        return {"chunks": len(publisher.published), "pending": publisher.pending()}
 
     async def close(self) -> None:
         """Withdraw this node's claims (if attached), close channels and the directory."""

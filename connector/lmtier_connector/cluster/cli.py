@@ -249,6 +249,7 @@ def _story(args: argparse.Namespace) -> Story:
         redis_url=args.redis_url or cluster.redis_url,
         chunk_size=args.chunk_size or state.chunk_size,
         prompt_tokens=prompt_tokens,
+        forget_a=lambda: cluster.restart_sidecar(0),
     )
 
 

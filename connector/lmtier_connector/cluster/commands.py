@@ -102,9 +102,13 @@ def sidecar_env(
     keys: ClusterSecrets,
     token_file: Path,
     metrics_port: int,
+    peer_port: int,
+    node_name: str,
 ) -> dict[str, str]:
     """The variables ``deploy/cluster/sidecar.yaml`` expects for one node."""
     return {
+        "LMTIER_PEER__LISTEN": f"{HOST}:{peer_port}",
+        "LMTIER_PEER__NODE_ID": node_name,
         "LMTIER_DISK__PATH": str(disk_path),
         "LMTIER_REDIS__URL": redis_url,
         "LMTIER_S3__ENDPOINT_URL": s3_endpoint,

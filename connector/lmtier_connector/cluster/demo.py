@@ -9,10 +9,13 @@ sidecars' ``/metrics`` when known, and Redis (a FLUSHDB) when given its URL.
 The story, one row per request (:data:`PHASES`):
 
 1. node A computes a long prompt P1: nothing is cached anywhere;
-2. node B gets P1: its own CPU and disk tiers do not hold it, its sidecar's lookup
-   walks on to Redis, which does (A's sidecar wrote it there);
-3. node A computes P2; Redis is flushed; node B gets P2: served from S3;
-4. node B gets P1 again: now from its own CPU tier (the Redis hit was promoted).
+2. node B gets P1 from node A's memory: its own CPU and disk tiers do not hold it, and
+   the peer directory says A's CPU tier does (the ``peer`` tier), before Redis;
+3. node A computes P2 and P3; A's memory is emptied (its sidecar restarts: the
+   ``forget_a`` hook, which ``lmtier cluster demo --dir`` has; without it the phase
+   and the next are skipped, with a note); node B gets P2 from Redis;
+4. Redis is flushed; node B gets P3 from S3;
+5. node B gets P1 again: now from its own CPU tier (the peer hit was promoted).
 
 Each row also runs its prompt under a fresh random ``cache_salt``: the salt makes
 every chunk key different, so that is a cold prefill of the same tokens, the row's
@@ -20,9 +23,10 @@ every chunk key different, so that is a cold prefill of the same tokens, the row
 a rerun on the same cluster tells the same story.
 
 Between requests the demo waits until the node's sidecar has written what the
-request stored to its lower tiers: its write queues are empty and its ``puts``
-counters have grown by the chunks stored (:mod:`.writes`, from ``/metrics``). Otherwise node
-B could ask Redis before A's write reached it. Without a metrics URL (``--metrics``)
+request stored to its lower tiers and published it in the peer directory: its write
+queues are empty and its ``puts`` counters have grown by the chunks stored
+(:mod:`.writes`, from ``/metrics``). Otherwise node B could ask before A's writes
+reached Redis or the directory. Without a metrics URL (``--metrics``)
 nothing is awaited and the output says so. Each wait has a deadline; a wait that
 ends there is a note, not a failure.
 """
@@ -167,7 +171,8 @@ Phase = Callable[["Story"], None]
 
 class Story:
     """Runs :data:`PHASES` against two nodes, A (``nodes[0]``) and B (``nodes[1]``).
-    ``redis_url``: the shared Redis, for phase 3's flush (None skips the phase);
+    ``redis_url``: the shared Redis, for phase 4's flush (None skips the phase);
+    ``forget_a``: empties node A's memory, for phases 3 and 4 (None skips them);
     ``chunk_size``: the cluster's (what a stored prompt's chunks are counted in)."""
 
     def __init__(
@@ -179,11 +184,14 @@ class Story:
         prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
         phases: Sequence[Phase] | None = None,
+        forget_a: Callable[[], None] | None = None,
     ) -> None:
         if len(nodes) < 2:
             raise ClusterError(f"the demo needs two nodes (A and B), got {len(nodes)}")
         self.a, self.b = nodes[0], nodes[1]
         self.redis_url = redis_url
+        self.forget_a = forget_a
+        """Empties node A's memory (its CPU tier) when called; None: the demo cannot."""
         self.prompt_tokens = prompt_tokens
         self.settle_timeout_s = settle_timeout_s
         self.phases = list(PHASES if phases is None else phases)
@@ -297,28 +305,40 @@ def cold_on_a(story: Story) -> None:
     story.row(story.a, "P1", step="A computes P1", expected="none")
 
 
+def peer_on_b(story: Story) -> None:
+    """Phase 2: node B gets P1 from node A's CPU tier (peer), before Redis and S3."""
+    story.row(story.b, "P1", step="B gets P1 from A's memory", expected="peer")
+
+
 def redis_on_b(story: Story) -> None:
-    """Phase 2: node B gets P1, which only Redis and S3 hold: Redis, first in the walk."""
-    story.row(story.b, "P1", step="B gets P1 from Redis", expected="redis")
+    """Phase 3: node A computes P2 and P3, then loses its memory; B gets P2 from Redis."""
+    if story.forget_a is None:
+        story.note(
+            "phases 3-4 (B served from Redis, then S3) skipped: they empty node A's memory "
+            "(restart its sidecar), which only `lmtier cluster demo --dir` can do"
+        )
+        return
+    story.row(story.a, "P2", step="A computes P2", expected="none")
+    story.row(story.a, "P3", step="A computes P3", expected="none")
+    story.forget_a()
+    story.row(story.b, "P2", step="A's memory gone, B gets P2 from Redis", expected="redis")
 
 
 def s3_on_b(story: Story) -> None:
-    """Phase 3: node A computes P2; Redis is flushed; node B gets P2 from S3."""
+    """Phase 4: Redis is flushed; node B gets P3 (computed in phase 3) from S3."""
+    if story.forget_a is None:
+        return  # said in phase 3
     if story.redis_url is None:
-        story.note("phase 3 (B served from S3) skipped: it flushes Redis; pass --redis-url")
+        story.note("phase 4 (B served from S3) skipped: it flushes Redis; pass --redis-url")
         return
-    story.row(story.a, "P2", step="A computes P2", expected="none")
     flush_redis(story.redis_url)
-    story.row(story.b, "P2", step="Redis flushed, B gets P2 from S3", expected="s3")
+    story.row(story.b, "P3", step="Redis flushed, B gets P3 from S3", expected="s3")
 
 
 def promoted_on_b(story: Story) -> None:
-    """Phase 4: node B gets P1 again: its CPU tier kept what Redis served in phase 2."""
+    """Phase 5: node B gets P1 again: its CPU tier kept what the peer served in phase 2."""
     story.row(story.b, "P1", step="B gets P1 again (promoted)", expected="cpu")
 
 
-PHASES: tuple[Phase, ...] = (cold_on_a, redis_on_b, s3_on_b, promoted_on_b)
-"""The story in order. The hook for the peer tier (issue 14, part 3): its phase, node B
-served from node A's CPU tier without Redis or S3, goes right after ``cold_on_a``
-(``Story(phases=...)`` takes the longer list). If the peer tier is asked before Redis,
-``redis_on_b`` then needs a prompt A's memory no longer holds."""
+PHASES: tuple[Phase, ...] = (cold_on_a, peer_on_b, redis_on_b, s3_on_b, promoted_on_b)
+"""The story in order (``Story(phases=...)`` takes another list)."""

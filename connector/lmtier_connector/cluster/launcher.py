@@ -234,6 +234,7 @@ class LocalCluster:
 
     def _start_sidecars(self, config_file: Path) -> None:
         state, started = self.state, []
+        state.sidecar_env = dict(self.sidecar_env)
         for index in range(self.num_nodes):
             name = f"node-{index}"
             node_dir = self.directory / name
@@ -241,25 +242,55 @@ class LocalCluster:
             sock = node_dir / "sidecar.sock"
             if len(f"{sock}.lane".encode()) > _UNIX_PATH_MAX:
                 raise ClusterError(f"{sock} is too long for a unix socket: use a shorter --dir")
-            port = commands.free_port()
-            env = commands.sidecar_env(
-                disk_path=node_dir / "disk",
-                redis_url=self.redis_url,
-                s3_endpoint=state.s3_endpoint,
-                keys=self.secrets,
-                token_file=self.token_file,
-                metrics_port=port,
+            metrics = f"http://{commands.HOST}:{commands.free_port()}/metrics"
+            planned = NodeInfo(
+                name,
+                ProcessInfo("sidecar", 0, None, ""),  # not started yet
+                f"unix://{sock}",
+                metrics,
+                str(node_dir / "disk"),
+                peer_address=f"{commands.HOST}:{commands.free_port()}",
             )
-            command = commands.sidecar_command(config_file, sock)
-            env.update(self.sidecar_env)
-            process, info = self._spawn("sidecar", f"{name}-sidecar", command, env)
-            metrics = f"http://{commands.HOST}:{port}/metrics"
-            node = NodeInfo(name, info, f"unix://{sock}", metrics, str(node_dir / "disk"))
+            process, info = self._spawn_sidecar(planned, config_file)
+            node = replace(planned, sidecar=info)
             state.nodes.append(node)
             started.append((node, process))
             state.save()
         for node, process in started:
             self._wait(health.sidecar_probe(node), f"{node.name}'s sidecar", process)
+
+    def _spawn_sidecar(
+        self, node: NodeInfo, config_file: Path
+    ) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
+        """Start ``node``'s sidecar on its recorded socket and ports."""
+        state = self.state
+        env = commands.sidecar_env(
+            disk_path=Path(node.disk_path),
+            redis_url=self.redis_url,
+            s3_endpoint=state.s3_endpoint,
+            keys=self.secrets,
+            token_file=self.token_file,
+            metrics_port=int(node.metrics_url.rsplit(":", 1)[1].split("/", 1)[0]),
+            peer_port=int(node.peer_address.rsplit(":", 1)[1]),
+            node_name=node.name,
+        )
+        env.update(state.sidecar_env)
+        command = commands.sidecar_command(config_file, Path(node.socket.removeprefix("unix://")))
+        return self._spawn("sidecar", f"{node.name}-sidecar", command, env)
+
+    def restart_sidecar(self, index: int) -> None:
+        """Stop node ``index``'s sidecar (SIGTERM: it drains and leaves the peer
+        directory) and start it again on the same socket and ports: the node's CPU tier
+        is empty afterwards, its disk tier kept; its engine reconnects by itself."""
+        node = self.state.nodes[index]
+        problems = stop_processes([([node.sidecar], STOP_TIMEOUT_S["sidecar"])], self._children)
+        if problems:
+            raise ClusterError("; ".join(problems))
+        config_file = Path(self.state.deploy_dir) / CONFIG_FILES["sidecar"]
+        process, info = self._spawn_sidecar(node, config_file)
+        self.state.nodes[index] = node = replace(node, sidecar=info)
+        self.state.save()
+        self._wait(health.sidecar_probe(node), f"{node.name}'s sidecar", process)
 
     def _start_engines(self, config_file: Path) -> None:
         state, started = self.state, []
@@ -302,6 +333,8 @@ class LocalCluster:
             ([p for p in (state.s3, state.redis) if p is not None], STOP_TIMEOUT_S["shared"]),
         ]
         problems = stop_processes(stages, self._children)
+        for child in self._children.values():  # reap every child, restarted ones' too
+            child.poll()
         self._remove_pool_files(state)
         if clean and not problems:
             shutil.rmtree(self.directory, ignore_errors=True)

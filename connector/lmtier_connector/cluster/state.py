@@ -131,6 +131,8 @@ class NodeInfo:
     disk_path: str
     engine: ProcessInfo | None = None
     engine_url: str | None = None
+    peer_address: str = ""
+    """``host:port`` of the sidecar's peer listener (other nodes fetch from it)."""
 
 
 @dataclass(slots=True)
@@ -149,6 +151,9 @@ class ClusterState:
     redis: ProcessInfo | None = None
     s3: ProcessInfo | None = None
     nodes: list[NodeInfo] = field(default_factory=list)
+    sidecar_env: dict[str, str] = field(default_factory=dict)
+    """More variables every sidecar got (``LocalCluster(sidecar_env=...)``: no secrets),
+    so that a sidecar restarted by another process gets them too."""
     schema: str = SCHEMA
 
     def processes(self) -> list[ProcessInfo]:
