@@ -57,7 +57,7 @@ import numpy as np
 import redis
 import redis.asyncio as aredis
 from bench_common import median_s
-from bench_redis import bounded, start_server
+from bench_redis import get_copies, start_server
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig, RedisTierConfig
@@ -261,14 +261,7 @@ async def bench_fetch(
             assert await redis_tier.get_into(keys, buffers) == sizes
 
         async def redis_py() -> None:
-            async def one(name: bytes, buffer: memoryview) -> None:
-                value = await client.get(name)
-                buffer[: len(value)] = value
-
-            await bounded(
-                REDIS_CONCURRENCY,
-                [lambda n=n, b=b: one(n, b) for n, b in zip(raw_names, buffers, strict=True)],
-            )
+            await get_copies(client, raw_names, buffers, REDIS_CONCURRENCY)
 
         for fill in (peer_fetch, raw_grpc, redis_fetch, redis_py):
             for buffer in buffers:

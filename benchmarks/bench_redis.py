@@ -113,6 +113,21 @@ async def bounded(concurrency: int, calls: Sequence[Callable[[], Awaitable[Any]]
     await asyncio.gather(*(one(call) for call in calls))
 
 
+async def get_copies(
+    client: Any, names: Sequence[bytes], buffers: Sequence[memoryview], concurrency: int
+) -> None:
+    """redis-py GETs of ``names``, each value copied into its buffer (a plain client's
+    read path: the baseline the tier's zero-copy reads are held against)."""
+
+    async def one(name: bytes, buffer: memoryview) -> None:
+        value = await client.get(name)
+        buffer[: len(value)] = value
+
+    await bounded(
+        concurrency, [lambda n=n, b=b: one(n, b) for n, b in zip(names, buffers, strict=True)]
+    )
+
+
 async def raw_exists_batch(port: int, names: Sequence[bytes]) -> float:
     """One pipelined batch of EXISTS on a plain asyncio socket (connected before timing):
     pack the names, write once, read until every reply line is in."""
@@ -200,14 +215,7 @@ async def throughput(
         await bounded(concurrency, [lambda n=n: client.get(n) for n in raw_names])
 
     async def raw_get_copy() -> None:
-        async def one(name: bytes, buffer: memoryview) -> None:
-            value = await client.get(name)
-            buffer[: len(value)] = value
-
-        await bounded(
-            concurrency,
-            [lambda n=n, b=b: one(n, b) for n, b in zip(raw_names, buffers, strict=True)],
-        )
+        await get_copies(client, raw_names, buffers, concurrency)
 
     async def tier_put() -> None:
         assert await tier.put(chunks) == count

@@ -31,7 +31,7 @@ from lmtier.errors import ConfigError, InvalidRequestError
 from lmtier.sidecar.auth import Authenticator, server_credentials
 from lmtier.sidecar.listen import parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
-from lmtier.sidecar.pieces import encode_piece, piece_offsets
+from lmtier.sidecar.pieces import chunk_pieces
 from lmtier.sidecar.status import status_of
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.node import LocalNode
@@ -147,14 +147,8 @@ class PeerServer:
                     continue
                 handle, length = shared
                 try:
-                    view = handle.view
-                    offsets, step = piece_offsets(length, self._piece)
-                    for offset in offsets:
-                        data = view[offset : min(offset + step, length)]
-                        if offset:
-                            yield encode_piece(data, offset)
-                        else:
-                            yield encode_piece(data, 0, key=key, total_length=length, tier="peer")
+                    for piece in chunk_pieces(key, handle.view, length, self._piece, "peer"):
+                        yield piece
                 finally:
                     handle.release()
         except Exception as exc:

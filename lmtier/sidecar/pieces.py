@@ -15,11 +15,19 @@ bytes are copied once on each side.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lmtier.errors import InvalidRequestError
 
-__all__ = ["PIECE_BYTES", "Piece", "decode_piece", "encode_piece", "piece_offsets"]
+__all__ = [
+    "PIECE_BYTES",
+    "Piece",
+    "chunk_pieces",
+    "decode_piece",
+    "encode_piece",
+    "piece_offsets",
+]
 
 PIECE_BYTES = 4 * 1024**2
 """Most chunk bytes a client sends per message (under the sidecar's default 8 MiB
@@ -79,6 +87,20 @@ def encode_piece(
     if tier:
         parts += _field(_TIER, tier.encode())
     return b"".join(parts)
+
+
+def chunk_pieces(
+    key: bytes, view: memoryview, length: int, limit: int, tier: str = ""
+) -> Iterator[bytes]:
+    """The serialized pieces of one encoded chunk (``view[:length]``), as the streaming
+    calls send it: the first with its key, length and serving ``tier``."""
+    offsets, step = piece_offsets(length, limit)
+    for offset in offsets:
+        data = view[offset : min(offset + step, length)]
+        if offset:
+            yield encode_piece(data, offset)
+        else:
+            yield encode_piece(data, 0, key=key, total_length=length, tier=tier)
 
 
 _EMPTY = memoryview(b"")

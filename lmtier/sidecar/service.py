@@ -36,7 +36,7 @@ from lmtier.sidecar.namespaces import (
     parse_keys,
     template_of,
 )
-from lmtier.sidecar.pieces import decode_piece, encode_piece, piece_offsets
+from lmtier.sidecar.pieces import chunk_pieces, decode_piece
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import Draining, NotOffered, numeric_leaves, status_of
@@ -302,15 +302,8 @@ class SidecarService(pb_grpc.SidecarServicer):
                 decoded = loaded.chunk
                 length = decoded.payload_offset + len(decoded.payload)
                 view = loaded.handle.view
-                offsets, step = piece_offsets(length, self._piece)
-                for offset in offsets:
-                    data = view[offset : min(offset + step, length)]
-                    if offset:
-                        yield encode_piece(data, offset)
-                    else:
-                        yield encode_piece(
-                            data, 0, key=loaded.key, total_length=length, tier=loaded.tier
-                        )
+                for piece in chunk_pieces(loaded.key, view, length, self._piece, loaded.tier):
+                    yield piece
                 loaded.release()
         finally:
             for loaded in chunks:

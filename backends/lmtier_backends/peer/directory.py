@@ -202,16 +202,6 @@ class PeerDirectory:
         being found at once."""
         await self._run("leave", _LEAVE, [self.node_name(node_id)], [address])
 
-    async def nodes(self) -> dict[str, str]:
-        """Every live node and its address (for ``stats`` and tests; SCANs the slot)."""
-        route = await self._connected()
-        found: dict[str, str] = {}
-        async for name in route.client.scan_iter(match=self._node_prefix + "*", count=1000):
-            address = await self._call(route.client.get(name))
-            if address is not None:
-                found[_text(name)[len(self._node_prefix) :]] = _text(address)
-        return found
-
     async def close(self) -> None:
         """Close the connections; idempotent."""
         route, self._route = self._route, None
