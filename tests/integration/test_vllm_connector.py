@@ -14,7 +14,6 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,18 +26,13 @@ if importlib.util.find_spec("vllm") is None:
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import VllmConfig
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
-        KVConnectorRole,
     )
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request, RequestStatus
-    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm.v1.request import Request
     from vllm_helpers import (
         BLOCK,
         CHUNK,
@@ -46,74 +40,22 @@ with warnings.catch_warnings():
         HEADS,
         LAYERS,
         PREFIX,
-        SchedulerHalf,
-        block_tokens,
+        Engine,
+        deliver_events,
+        drain_finished,
         expected_tokens,
-        kv_cache_config,
+        finish,
         lmtier_overrides,
         make_vllm_config,
-        worker_step,
         write_model_dir,
     )
 
-    from lmtier_connector.vllm.common import LMTierConnectorMetadata, chunk_keys
-    from lmtier_connector.vllm.connector import LMTierConnector
+    from lmtier_connector.vllm.common import chunk_keys
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-class Engine(SchedulerHalf):
-    """A real Scheduler with our connector, plus one worker connector on real tensors."""
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        layout: KVCacheLayout = KVCacheLayout.BLHNC,
-        worker_config: VllmConfig | None = None,
-    ) -> None:
-        config = kv_cache_config(layout)
-        super().__init__(vllm_config, config)
-        self.worker = LMTierConnector(worker_config or vllm_config, KVConnectorRole.WORKER, config)
-        self.kv = allocate_kv_cache(config, torch.device("cpu"), layout)
-        self.worker.register_kv_caches(self.kv)
-
-    def step(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
-        """Schedule, then run the worker connector around a fake forward pass."""
-        out = self.scheduler.schedule()
-        return out, worker_step(self.worker, self.kv, out)
-
-    def page_tokens(self, request: Request, start: int, stop: int, layer: int) -> torch.Tensor:
-        ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-        return block_tokens(self.kv, ids, start, stop, layer)
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        self.connector.shutdown()
-
-
-def finish(engine: Engine, req_id: str) -> None:
-    engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-
-
-def drain_finished(engine: Engine, req_ids: set[str]) -> set[str]:
-    done: set[str] = set()
-    for _ in range(200):
-        sent, _ = engine.worker.get_finished(req_ids)
-        done |= sent or set()
-        if done == req_ids:
-            break
-        engine.worker._work()._writer.submit(lambda: None).result()
-    return done
-
-
-def deliver_events(engine: Engine) -> list[Any]:
-    """What vLLM does each step: the worker's events into the scheduler's connector."""
-    events = engine.worker.get_kv_connector_kv_cache_events()
-    engine.connector.update_connector_output(KVConnectorOutput(kv_cache_events=events))
-    return list(engine.connector.take_events())
 
 
 @pytest.fixture
@@ -252,15 +194,17 @@ def test_a_corrupt_chunk_reports_its_blocks(
     second = Engine(make_vllm_config(model_dir, extra))
     engines.append(second)
     request = second.add("b", PREFIX[:200])
-    matched, _ = second.connector.get_num_new_matched_tokens(request, 0)
-    assert matched == 192
+    assert second.connector.get_num_new_matched_tokens(request, 0) == (192, True)  # disk
     for path in files:  # flip a payload byte of every chunk: checksums fail on read
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
-    _, meta = second.step()
+    out, meta = second.step()
     (load,) = meta.loads
+    assert load.asynchronous and out.num_scheduled_tokens == {}
+    second.worker._work().loader.wait()
     assert second.worker.get_block_ids_with_load_errors() == set(load.block_ids[:12])
+    assert second.worker.get_finished(set()) == (None, {"b"})
 
 
 def test_finished_is_reported_only_once_saves_are_done(

@@ -36,6 +36,7 @@ with warnings.catch_warnings():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
     from vllm_helpers import (
         CHUNK,
         LAYERS,
@@ -262,9 +263,14 @@ def test_a_killed_sidecar_costs_recomputes_and_a_restarted_one_serves_from_disk(
         side = SchedulerSide(make_vllm_config(model_dir, extra))
         try:
             request = side.add("d", [*PROMPT, 9])
-            assert side.connector.get_num_new_matched_tokens(request, 0) == (192, False)
+            # Below the sidecar's host memory: the load runs in the background while
+            # vLLM keeps the request waiting.
+            assert side.connector.get_num_new_matched_tokens(request, 0) == (192, True)
             out, meta = side.schedule()
+            assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            assert out.num_scheduled_tokens == {}
             (load,) = meta.loads
+            assert load.asynchronous
             cache = side.connector.lmtier
             spans = cache.lookup_keys(chunk_keys(cache, load.refs)).spans
             assert [s.tier for s in spans] == ["disk"]
@@ -273,6 +279,7 @@ def test_a_killed_sidecar_costs_recomputes_and_a_restarted_one_serves_from_disk(
             )
         finally:
             side.close()
+        assert loaded["received"] == {"d"}
         assert_loaded_bit_exact(loaded, 192)
     finally:
         sidecar.stop()

@@ -25,6 +25,7 @@ with warnings.catch_warnings():
         SchedulerConfig,
         VllmConfig,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -37,8 +38,10 @@ with warnings.catch_warnings():
         KVCacheTensor,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.request import Request
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.utils import allocate_kv_cache
 
     from lmtier_connector.vllm.common import LMTierConnectorMetadata
     from lmtier_connector.vllm.connector import LMTierConnector
@@ -81,7 +84,13 @@ def lmtier_overrides(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     return config
 
 
-def make_vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
+def make_vllm_config(
+    model_dir: Path,
+    extra: dict[str, Any],
+    *,
+    max_batched_tokens: int = 4096,
+    num_blocks: int = NUM_BLOCKS,
+) -> VllmConfig:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = ModelConfig(
@@ -92,13 +101,13 @@ def make_vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
             max_model_len=4096,
         )
         cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cache.num_gpu_blocks = NUM_BLOCKS
+        cache.num_gpu_blocks = num_blocks
         return VllmConfig(
             model_config=model,
             cache_config=cache,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=8,
-                max_num_batched_tokens=4096,
+                max_num_batched_tokens=max_batched_tokens,
                 max_model_len=4096,
                 is_encoder_decoder=False,
             ),
@@ -107,24 +116,27 @@ def make_vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
                 kv_connector_module_path="lmtier_connector.vllm",
                 kv_role="kv_both",
                 kv_connector_extra_config=extra,
+                # What lmtier's docs advise: a chunk that fails to load is recomputed
+                # (vLLM's default, "fail", fails the request instead).
+                kv_load_failure_policy="recompute",
             ),
             device_config=DeviceConfig("cpu"),
         )
 
 
-def kv_cache_config(layout: KVCacheLayout) -> KVCacheConfig:
+def kv_cache_config(layout: KVCacheLayout, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     compact = layout.is_layer_compact
     tensor = KVCacheTensor(
-        size=PAGE * NUM_BLOCKS * LAYERS,
+        size=PAGE * num_blocks * LAYERS,
         layers=list(NAMES),
-        layer_stride=PAGE * NUM_BLOCKS if compact else PAGE,
+        layer_stride=PAGE * num_blocks if compact else PAGE,
         block_stride=PAGE if compact else PAGE * LAYERS,
     )
     spec = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
     )
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
     )
@@ -146,8 +158,10 @@ def block_hasher() -> Callable[[Request], list[Any]]:
     return get_request_block_hasher(BLOCK, sha256_cbor)
 
 
-def make_request(req_id: str, tokens: list[int], hasher: Callable[[Request], list[Any]]) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+def make_request(
+    req_id: str, tokens: list[int], hasher: Callable[[Request], list[Any]], max_tokens: int = 4
+) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
 
 
 class SchedulerHalf:
@@ -163,8 +177,8 @@ class SchedulerHalf:
         assert isinstance(connector, LMTierConnector)
         return connector
 
-    def add(self, req_id: str, tokens: list[int]) -> Request:
-        request = make_request(req_id, tokens, self.hasher)
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4) -> Request:
+        request = make_request(req_id, tokens, self.hasher, max_tokens)
         self.scheduler.add_request(request)
         return request
 
@@ -190,22 +204,71 @@ def fake_forward(kv: dict[str, torch.Tensor], out: SchedulerOutput, layer: int) 
             kv[NAMES[layer]][block, :, pos % BLOCK, :] = expected_kv(tokens[pos], pos, layer)
 
 
+def scheduler_forward(
+    scheduler: Scheduler, kv: dict[str, torch.Tensor], out: SchedulerOutput, layer: int
+) -> None:
+    """:func:`fake_forward` for every scheduled request (new, continued, resumed),
+    its block table and tokens read from the scheduler (call it after ``schedule``)."""
+    for req_id, count in out.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        blocks = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        stop = request.num_computed_tokens
+        for pos in range(stop - count, stop):
+            kv[NAMES[layer]][blocks[pos // BLOCK], :, pos % BLOCK, :] = expected_kv(
+                request.all_token_ids[pos], pos, layer
+            )
+
+
 def worker_step(
-    worker: LMTierConnector, kv: dict[str, torch.Tensor], out: SchedulerOutput
+    worker: LMTierConnector,
+    kv: dict[str, torch.Tensor],
+    out: SchedulerOutput,
+    *,
+    loads_first: bool | None = None,
+    forward: Callable[[int], None] | None = None,
 ) -> LMTierConnectorMetadata:
-    """What a vLLM worker does with one step's SchedulerOutput: bind the connector's
-    metadata, load, run the (fake) forward pass layer by layer, save."""
+    """What vLLM's model runner does with one step's SchedulerOutput
+    (``kv_connector_model_runner_mixin``): bind the connector's metadata, call
+    ``start_load_kv`` before the (fake) forward pass when the step has synchronous
+    loads and after it otherwise, run the forward pass layer by layer with
+    ``save_kv_layer``, then ``wait_for_save``. ``loads_first`` forces one order;
+    ``forward(layer)`` replaces :func:`fake_forward`."""
     meta = out.kv_connector_metadata
     assert isinstance(meta, LMTierConnectorMetadata)
+    first = out.has_sync_kv_loads if loads_first is None else loads_first
     worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
+    if first:
+        worker.start_load_kv(None)  # type: ignore[arg-type]
     for layer, name in enumerate(NAMES):
         worker.wait_for_layer_load(name)
-        fake_forward(kv, out, layer)
+        if forward is None:
+            fake_forward(kv, out, layer)
+        else:
+            forward(layer)
         worker.save_kv_layer(name, kv[name], None)  # type: ignore[arg-type]
+    if not first:
+        worker.start_load_kv(None)  # type: ignore[arg-type]
     worker.wait_for_save()
     worker.clear_connector_metadata()
     return meta
+
+
+def runner_output(
+    scheduler: Scheduler, out: SchedulerOutput, kv_output: KVConnectorOutput
+) -> ModelRunnerOutput:
+    """A model runner's output for ``out``: one sampled token (7) for each request
+    whose prompt is complete after this step, and the connector's output."""
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        sampled.append([7] if request.num_computed_tokens >= request.num_tokens else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_output,
+    )
 
 
 def block_tokens(
@@ -214,3 +277,80 @@ def block_tokens(
     """Tokens ``[start, stop)`` of a request whose block table is ``block_ids``."""
     page = kv[NAMES[layer]]
     return torch.stack([page[block_ids[p // BLOCK], :, p % BLOCK, :] for p in range(start, stop)])
+
+
+class Engine(SchedulerHalf):
+    """A real Scheduler with our connector, plus one worker connector on real tensors."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        layout: KVCacheLayout = KVCacheLayout.BLHNC,
+        worker_config: VllmConfig | None = None,
+    ) -> None:
+        num_blocks = vllm_config.cache_config.num_gpu_blocks or NUM_BLOCKS
+        config = kv_cache_config(layout, num_blocks)
+        super().__init__(vllm_config, config)
+        self.worker = LMTierConnector(worker_config or vllm_config, KVConnectorRole.WORKER, config)
+        self.kv = allocate_kv_cache(config, torch.device("cpu"), layout)
+        self.worker.register_kv_caches(self.kv)
+
+    def step(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
+        """Schedule, then run the worker connector around a fake forward pass."""
+        out = self.scheduler.schedule()
+        return out, worker_step(self.worker, self.kv, out)
+
+    def run_step(
+        self, before_worker: Callable[[], None] | None = None, **options: Any
+    ) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
+        """One whole engine step: schedule, the worker around the fake forward pass,
+        and the runner's output (sampled tokens, finished transfers, load errors, KV
+        events) back into the scheduler, as vLLM's engine core does.
+        ``before_worker`` runs between the two halves (a fault to inject)."""
+        out = self.scheduler.schedule()
+        if before_worker is not None:
+            before_worker()
+
+        def forward(layer: int) -> None:
+            scheduler_forward(self.scheduler, self.kv, out, layer)
+
+        meta = worker_step(self.worker, self.kv, out, forward=forward, **options)
+        sending, receiving = self.worker.get_finished(out.finished_req_ids)
+        kv_output = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=receiving,
+            invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            kv_cache_events=self.worker.get_kv_connector_kv_cache_events(),
+        )
+        self.scheduler.update_from_output(out, runner_output(self.scheduler, out, kv_output))
+        return out, meta
+
+    def page_tokens(self, request: Request, start: int, stop: int, layer: int) -> torch.Tensor:
+        ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return block_tokens(self.kv, ids, start, stop, layer)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+
+def finish(engine: Engine, req_id: str) -> None:
+    engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+
+def drain_finished(engine: Engine, req_ids: set[str]) -> set[str]:
+    done: set[str] = set()
+    for _ in range(200):
+        sent, _ = engine.worker.get_finished(req_ids)
+        done |= sent or set()
+        if done == req_ids:
+            break
+        engine.worker._work()._writer.submit(lambda: None).result()
+    return done
+
+
+def deliver_events(engine: Engine) -> list[Any]:
+    """What vLLM does each step: the worker's events into the scheduler's connector."""
+    events = engine.worker.get_kv_connector_kv_cache_events()
+    engine.connector.update_connector_output(KVConnectorOutput(kv_cache_events=events))
+    return list(engine.connector.take_events())

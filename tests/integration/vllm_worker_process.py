@@ -10,6 +10,7 @@ the fake forward pass of :func:`vllm_helpers.fake_forward`), ``finished`` (reque
 ids the scheduler finished: the process waits until their saves are through),
 ``read`` (``(block_ids, num_tokens)``: KV to send back) and ``flush``.
 ``RESULT`` (a pickle): ``failed`` (block ids of loads that failed), ``finished``,
+``received`` (requests whose asynchronous loads completed),
 ``events`` (the KV events of the steps), ``listening`` (whether the worker follows a
 CPU tier's evictions) and ``read`` (one ``[tokens, heads, 2 * head_dim]`` tensor per
 layer). Any exception fails the process, and so the test.
@@ -55,9 +56,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             worker_step(worker, kv, out)
             failed |= worker.get_block_ids_with_load_errors()
         # The save thread runs one step's saves after another: once this no-op has
-        # run, every save queued above is through.
+        # run, every save queued above is through. Asynchronous loads likewise.
         worker._work()._writer.submit(lambda: None).result()
-        finished, _ = worker.get_finished(set(job["finished"]))
+        worker._work().loader.wait()
+        failed |= worker.get_block_ids_with_load_errors()
+        finished, received = worker.get_finished(set(job["finished"]))
         step_events = worker.get_kv_connector_kv_cache_events()
         if step_events is not None:
             events = step_events.get_all_events()
@@ -69,6 +72,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         return {
             "failed": failed,
             "finished": finished or set(),
+            "received": received or set(),
             "events": events,
             "listening": worker._work()._listening,
             "read": read,

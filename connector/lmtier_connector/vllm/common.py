@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -24,6 +24,7 @@ from lmtier.config.secrets import read_secret_file
 from lmtier.errors import ConfigError
 
 __all__ = [
+    "AsyncLoads",
     "ChunkRefs",
     "ConnectorSettings",
     "LMTierConnectorMetadata",
@@ -47,6 +48,12 @@ class SidecarSettings:
     shared_memory: bool = True
 
 
+AsyncLoads = Literal["auto", "always", "never"]
+"""When loads run in the background (vLLM keeps the request waiting meanwhile):
+``auto`` when some chunk of the hit lies below host memory (disk, Redis, S3, a
+peer), ``always``, or ``never`` (every load inside the scheduling step)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """The connector's own options from ``kv_connector_extra_config``.
@@ -59,6 +66,10 @@ class ConnectorSettings:
     ``sidecar`` (``unix:///path.sock`` or ``host:port``): use that ``lmtier serve``
     instead of an embedded cache, with ``sidecar_token`` (or the first line of
     ``sidecar_token_file``) and ``sidecar_shared_memory`` (default true).
+    ``async_loads`` (:data:`AsyncLoads`, default ``auto``). ``lookup_wait_ms``: how
+    long a lookup that needs a remote tier may hold the scheduler (default 2 ms);
+    past it vLLM is told "not yet" and asks again next step, when the answer that
+    went on in the background is used.
     """
 
     config_path: str | None = None
@@ -66,11 +77,14 @@ class ConnectorSettings:
     vllm_block_hashes: bool = True
     save_decode_tokens: bool = False
     sidecar: SidecarSettings | None = None
+    async_loads: AsyncLoads = "auto"
+    lookup_wait_ms: float = 2.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
         known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
+        known |= {"async_loads", "lookup_wait_ms"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -87,7 +101,27 @@ class ConnectorSettings:
             vllm_block_hashes=bool(extra.get("vllm_block_hashes", True)),
             save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
             sidecar=_sidecar_settings(extra),
+            async_loads=_async_loads(extra.get("async_loads", "auto")),
+            lookup_wait_ms=_wait_ms(extra.get("lookup_wait_ms", 2.0)),
         )
+
+
+def _async_loads(value: object) -> AsyncLoads:
+    if isinstance(value, str) and value in get_args(AsyncLoads):
+        return cast(AsyncLoads, value)
+    raise ConfigError(
+        f"kv_connector_extra_config.async_loads must be one of {list(get_args(AsyncLoads))}, "
+        f"got {value!r:.40}"
+    )
+
+
+def _wait_ms(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 60_000:
+        raise ConfigError(
+            f"kv_connector_extra_config.lookup_wait_ms must be a number of ms in 0..60000, "
+            f"got {value!r:.40}"
+        )
+    return float(value)
 
 
 def _sidecar_settings(extra: Mapping[str, Any]) -> SidecarSettings | None:
@@ -141,7 +175,8 @@ class LoadSpec:
     ``end_token`` is a chunk boundary, ``start_token`` a block boundary (it may fall
     inside the first chunk: vLLM's own prefix cache already holds the tokens before
     it, and those blocks are never written). ``block_ids`` is the request's block
-    table from token 0.
+    table from token 0. ``asynchronous``: vLLM keeps the request waiting until the
+    workers report it in ``get_finished`` (no forward pass reads these blocks now).
     """
 
     req_id: str
@@ -149,6 +184,7 @@ class LoadSpec:
     start_token: int
     end_token: int
     block_ids: tuple[int, ...]
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +204,8 @@ class SaveSpec:
 
 @dataclass(slots=True)
 class LMTierConnectorMetadata(KVConnectorMetadata):
-    """One step's work for every worker: loads before the forward pass, saves during it."""
+    """One step's work for every worker: loads (synchronous ones before the forward
+    pass, asynchronous ones in the background), saves during the forward pass."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)

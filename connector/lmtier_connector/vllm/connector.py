@@ -68,7 +68,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["LMTierConnector", "kv_spec_of", "lmtier_config_of", "tp_rank_of"]
+__all__ = [
+    "LMTierConnector",
+    "check_kv_cache_groups",
+    "kv_spec_of",
+    "lmtier_config_of",
+    "tp_rank_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +88,35 @@ def kv_spec_of(vllm_config: VllmConfig) -> KVSpec:
     if model.use_mla:
         return KVSpec(layers, 1, model.get_head_size(), name, layout="LTD")
     return KVSpec(layers, model.get_num_kv_heads(parallel), model.get_head_size(), name)
+
+
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse models whose KV is not one group of full attention (or MLA) layers.
+
+    A chunk is every layer's KV of its tokens; hybrid models (sliding-window,
+    chunked-local or Mamba layers beside full attention, or layers of different
+    shapes) keep per-group block tables and drop blocks outside a window, so their
+    KV cannot be cached that way. The error names the groups vLLM made.
+    """
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: PLC0415
+
+    groups = kv_cache_config.kv_cache_groups
+    supported = (FullAttentionSpec, MLAAttentionSpec)
+    if len(groups) == 1 and type(groups[0].kv_cache_spec) in supported:
+        return
+    described = "; ".join(
+        f"group {index}: {type(group.kv_cache_spec).__name__} over "
+        f"{len(group.layer_names)} layers ({', '.join(group.layer_names[:2])}"
+        f"{', ...' if len(group.layer_names) > 2 else ''})"
+        for index, group in enumerate(groups)
+    )
+    raise ConfigError(
+        "LMTierConnector caches models whose KV is one group of full-attention (or MLA) "
+        f"layers; this model's KV cache has {len(groups)} group(s): {described or 'none'}. "
+        "Hybrid models (sliding window, chunked local attention, Mamba) are not supported"
+    )
 
 
 def lmtier_config_of(settings: ConnectorSettings) -> LMTierConfig:
@@ -171,6 +206,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_kv_cache_groups(kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         settings = ConnectorSettings.from_extra_config(extra)
         config = lmtier_config_of(settings)
@@ -267,6 +303,14 @@ class LMTierConnector(KVConnectorBase_V1):
         if isinstance(kv_connector_metadata, LMTierConnectorMetadata):
             self._work().handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's plan and prepare its saves here: vLLM binds before the
+        forward pass on every step, while ``start_load_kv`` may come after it (steps
+        without synchronous loads), too late for ``save_kv_layer``."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(self._meta())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work().start_load(self._meta())
 
@@ -286,8 +330,10 @@ class LMTierConnector(KVConnectorBase_V1):
         self._work().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self._work().finished_saves(finished_req_ids)
-        return (done or None), None
+        work = self._work()
+        done = work.finished_saves(finished_req_ids)
+        received = work.finished_loads()
+        return (done or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().failed_block_ids()
@@ -299,6 +345,8 @@ class LMTierConnector(KVConnectorBase_V1):
         """Finish saves in flight, then release this side's cache. Idempotent."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         if not self._closed:
             self._closed = True
             _release_cache(self._cache_key)

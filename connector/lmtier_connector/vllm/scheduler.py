@@ -1,11 +1,21 @@
 """The scheduler half of the vLLM connector: lookups, load and save plans, KV events.
 
-Lookups are synchronous and side-effect free: keys are bound from vLLM's own block
-hashes (``request.block_hashes``, no rehashing) or from lmtier's chain over the
-tokens, and the tiers answer how many leading chunks they hold. The hit counts from
-vLLM's block-aligned local hit (``num_computed_tokens``): the walk starts at the
-chunk holding it, the result is whole chunks, and it never covers the last prompt
-token (its logits are the point of the prefill).
+Lookups are side-effect free: keys are bound from vLLM's own block hashes
+(``request.block_hashes``, no rehashing) or from lmtier's chain over the tokens, and
+the tiers answer how many leading chunks they hold. The hit counts from vLLM's
+block-aligned local hit (``num_computed_tokens``): the walk starts at the chunk
+holding it, the result is whole chunks, and it never covers the last prompt token
+(its logits are the point of the prefill). The tiers that answer without I/O are
+asked in the scheduler's thread; a lookup that needs a remote tier runs on a
+lookup thread, and when it takes longer than ``lookup_wait_ms`` vLLM is told "not
+yet" (``None``): the request stays waiting and the answer is picked up at vLLM's
+next call, so a slow Redis or S3 never stalls the other requests' steps.
+
+Loads are synchronous (inside the step that schedules the request) when every chunk
+of the hit is in host memory, and asynchronous otherwise (``async_loads``): vLLM
+allocates the blocks, keeps the request in ``WAITING_FOR_REMOTE_KVS``, and the plan
+goes to the workers in the same step's metadata; they read and scatter in the
+background and report the request through ``get_finished``.
 
 Saves are planned per step: when a step completes a chunk of the prompt (chunked
 prefill included), the chunk's blocks go to the workers in that step's metadata, so
@@ -32,6 +42,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +56,8 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from lmtier.api import LMTier
+from lmtier.chunks.keys import ChunkKey
+from lmtier.storage.lookup import Lookup
 from lmtier_connector.vllm.common import (
     ChunkRefs,
     ConnectorSettings,
@@ -66,6 +79,11 @@ MAX_PENDING_EVENTS = 65536
 """Chunk events reported by some saving ranks but not all yet; beyond it the oldest
 are dropped (a rank that could not store a chunk never reports it)."""
 
+HOST_TIER = "cpu"
+"""The tier whose hits load synchronously under ``async_loads: auto``."""
+MAX_PENDING_LOOKUPS = 4096
+"""Background lookups kept for requests vLLM has not asked about again."""
+
 
 @dataclass(slots=True)
 class _RequestState:
@@ -75,6 +93,23 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_load_tokens: int = 0  # tokens to load in the next step that schedules it
     next_save_chunk: int = 0  # chunks before it are stored or planned
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """The last hit reported for a request: vLLM's local hit it counted from, and
+    whether the load is asynchronous."""
+
+    num_computed: int
+    asynchronous: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingLookup:
+    """A lookup still running on the lookup thread, for these keys."""
+
+    keys: tuple[ChunkKey, ...]
+    future: Future[Lookup]
 
 
 class SchedulerHalf:
@@ -102,6 +137,10 @@ class SchedulerHalf:
         self._reported: Counter[KVCacheEvent] = Counter()
         self._removed: Counter[KVCacheEvent] = Counter()  # published, ranks left to absorb
         self._medium = MEDIUM_CPU if cache.config.cpu.enabled else MEDIUM_STORAGE
+        self._answers: dict[str, _Answer] = {}
+        self._lookups: dict[str, _PendingLookup] = {}
+        self._lookup_thread: ThreadPoolExecutor | None = None
+        self._async_loads: list[LoadSpec] = []  # planned at allocation, sent next meta
 
     # ---- keys ----------------------------------------------------------------------
 
@@ -128,32 +167,93 @@ class SchedulerHalf:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that the tiers can supply (whole chunks,
-        never the last token); loads are synchronous, so the flag is always False."""
+        never the last token) and whether they load asynchronously; ``(None, False)``
+        while a lookup of a remote tier is still running (module docstring)."""
+        req_id = request.request_id
         stop = self._num_keyable_chunks(request, request.num_tokens - 1)
         first = num_computed_tokens // self.chunk_size
         if first >= stop:
+            self._lookups.pop(req_id, None)
             return 0, False
         keys = chunk_keys(self.cache, self.refs(request, first, stop))
-        found = self.cache.lookup_keys(keys).num_chunks
-        hit_end = (first + found) * self.chunk_size
-        return max(0, hit_end - num_computed_tokens), False
+        found = self._lookup(req_id, keys)
+        if found is None:
+            return None, False
+        hit_end = (first + found.num_chunks) * self.chunk_size
+        tokens = max(0, hit_end - num_computed_tokens)
+        mode = self.settings.async_loads
+        slow = any(span.tier != HOST_TIER for span in found.spans)
+        asynchronous = tokens > 0 and (mode == "always" or (mode == "auto" and slow))
+        self._answers[req_id] = _Answer(num_computed_tokens, asynchronous)
+        return tokens, asynchronous
+
+    def _lookup(self, req_id: str, keys: list[ChunkKey]) -> Lookup | None:
+        """The waterfall lookup of ``keys``, or None while it runs in the background."""
+        wanted = tuple(keys)
+        pending = self._lookups.pop(req_id, None)
+        if pending is not None and pending.keys == wanted:
+            if not pending.future.done():
+                self._lookups[req_id] = pending
+                return None
+            return _result(pending.future)
+        local = self.cache.lookup_keys(keys, local_only=True)
+        if local.num_chunks == len(keys):
+            return local
+        if self._lookup_thread is None:
+            self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="lmtier-lookup")
+        future = self._lookup_thread.submit(self.cache.lookup_keys, keys)
+        try:
+            return future.result(timeout=self.settings.lookup_wait_ms / 1000)
+        except TimeoutError:
+            pass
+        except Exception:
+            logger.warning("lmtier: lookup for %s failed", req_id, exc_info=True)
+            return Lookup(0, ())
+        while len(self._lookups) >= MAX_PENDING_LOOKUPS:
+            del self._lookups[next(iter(self._lookups))]
+        self._lookups[req_id] = _PendingLookup(wanted, future)
+        return None
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        state = self._states.get(request.request_id)
+        """Note the tokens to load; an asynchronous load is planned now, with the
+        request's blocks (vLLM does not schedule the request until it has landed)."""
+        req_id = request.request_id
+        state = self._states.get(req_id)
         if state is None:
-            state = self._states[request.request_id] = _RequestState(request)
+            state = self._states[req_id] = _RequestState(request)
+        answer = self._answers.pop(req_id, None)
         state.num_load_tokens = num_external_tokens
+        if num_external_tokens <= 0 or answer is None or not answer.asynchronous:
+            return
+        start = answer.num_computed
+        end = start + num_external_tokens
+        state.block_ids = list(blocks.get_block_ids()[0])
+        first, stop = start // self.chunk_size, end // self.chunk_size
+        self._async_loads.append(
+            LoadSpec(
+                req_id,
+                self.refs(request, first, stop),
+                start,
+                end,
+                tuple(state.block_ids[: end // self.block_size]),
+                asynchronous=True,
+            )
+        )
+        state.next_save_chunk = max(state.next_save_chunk, stop)
+        state.num_load_tokens = 0
 
     # ---- per-step plan -------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LMTierConnectorMetadata:
         meta = LMTierConnectorMetadata(
-            preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ())
+            loads=self._async_loads,
+            preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
         )
+        self._async_loads = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is not None:
@@ -244,6 +344,8 @@ class SchedulerHalf:
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """True while saves planned for the request may still read its blocks."""
         self._states.pop(request.request_id, None)
+        self._answers.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)
             return True
@@ -272,3 +374,19 @@ class SchedulerHalf:
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []
         return events
+
+    def shutdown(self) -> None:
+        """Stop the lookup thread (a lookup in flight is abandoned, not awaited)."""
+        self._lookups.clear()
+        if self._lookup_thread is not None:
+            self._lookup_thread.shutdown(wait=False, cancel_futures=True)
+            self._lookup_thread = None
+
+
+def _result(future: Future[Lookup]) -> Lookup:
+    """A finished background lookup's answer; a failure is a miss."""
+    try:
+        return future.result()
+    except Exception:
+        logger.warning("lmtier: a background lookup failed", exc_info=True)
+        return Lookup(0, ())

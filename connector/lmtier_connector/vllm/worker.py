@@ -1,17 +1,17 @@
 """The worker half of the vLLM connector: moves chunks between vLLM's pages and lmtier.
 
-* **Loads** (``start_load_kv``, before the forward pass) read the planned chunks from
-  the tiers into pool slabs and hand them to the transfer engine, which scatters them
-  into the request's blocks layer by layer (on CUDA, on its load stream, one event per
-  layer; ``wait_for_layer_load`` waits on that layer's event only). Blocks before the
-  load's first token belong to vLLM's own prefix cache and are never written. Chunks
-  the tiers cannot serve (a tier down, a corrupt chunk) become block ids for
-  ``get_block_ids_with_load_errors``, so that vLLM recomputes them; never an exception.
-* **Saves** gather each planned chunk straight into the payload region of a pool slab,
-  layer by layer as ``save_kv_layer`` is called (on CUDA, on the save stream: compute
-  never waits). ``wait_for_save`` hands the step's saves to one background thread that
-  waits for the copies, frames the slabs (a header; the checksum is computed when a
-  chunk is written below host memory) and gives them to the storage manager;
+* **Loads** are :class:`~lmtier_connector.vllm.loading.Loader`'s: synchronous ones
+  scattered layer by layer before the forward pass, asynchronous ones on the loader
+  thread, reported through ``get_finished``; unloadable blocks go to
+  ``get_block_ids_with_load_errors`` (recomputed), never an exception.
+* **Saves** are prepared when vLLM binds the step's metadata (:meth:`WorkerHalf.bind`,
+  before the forward pass on every step: ``start_load_kv`` comes after it on steps
+  without synchronous loads). Each planned chunk is gathered straight into the
+  payload region of a pool slab, layer by layer as ``save_kv_layer`` is called (on
+  CUDA, on the save stream: compute never waits). ``wait_for_save`` hands the
+  step's saves to one background thread that waits for the copies, frames the slabs
+  (a header; the checksum is computed when a chunk is written below host memory)
+  and gives them to the storage manager;
   ``get_finished`` reports a finished request once all of its saves are through.
   Chunks some tier already holds are not saved again.
 * **KV events**: once a step's chunks are stored, that thread queues a ``BlockStored``
@@ -39,27 +39,27 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
-from lmtier import LoadedChunk, SlabHandle
+from lmtier import SlabHandle
 from lmtier.api import LMTier
 from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.keys import ChunkKey
-from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor
+from lmtier.kv_spec import KVSpec, payload_tensor
 from lmtier_connector.device.paged_kv import PagedKVCache
-from lmtier_connector.device.transfer import LoadHandle, SaveHandle, TransferEngine
+from lmtier_connector.device.transfer import SaveHandle, TransferEngine
 from lmtier_connector.vllm.common import (
     LMTierConnectorMetadata,
     LMTierKVEvents,
-    LoadSpec,
     SaveSpec,
     chunk_keys,
     stored_chunk_event,
 )
+from lmtier_connector.vllm.loading import Loader
 
 __all__ = ["WorkerHalf"]
 
@@ -95,14 +95,6 @@ class _StepSave:
     req_ids: set[str]
 
 
-@dataclass(slots=True)
-class _StepLoad:
-    """The loads of one step: the slabs must outlive the (possibly async) copies."""
-
-    handle: LoadHandle
-    chunks: list[LoadedChunk] = field(default_factory=list)
-
-
 class WorkerHalf:
     """Worker-side state and logic; :class:`LMTierConnector` delegates to it."""
 
@@ -115,9 +107,8 @@ class WorkerHalf:
         self.engine: TransferEngine | None = None
         self._kernel_blocks = 1  # kernel blocks per vLLM block (virtual block splitting)
         self._layer_index: dict[str, int] = {}
-        self._load: _StepLoad | None = None
+        self.loader = Loader(cache, self._engine, self._kernel_ids, lambda: self._kernel_blocks)
         self._save: _StepSave | None = None
-        self._failed_blocks: set[int] = set()
         self._pending: dict[str, list[Future[None]]] = {}
         self._saving_reqs: set[str] = set()
         self._finishing: set[str] = set()
@@ -161,80 +152,33 @@ class WorkerHalf:
         first, stop = start_token // size, -(-stop_token // size)
         return [block_ids[k // per] * per + k % per for k in range(first, stop)]
 
-    # ---- loads ---------------------------------------------------------------------
+    # ---- per step ------------------------------------------------------------------
 
-    def start_load(self, meta: LMTierConnectorMetadata) -> None:
-        """Read this step's chunks and start scattering them; prepare this step's saves."""
+    def bind(self, meta: LMTierConnectorMetadata) -> None:
+        """The step's plan is known (before its forward pass): finish the saves of
+        preempted requests, then prepare this step's saves."""
         self.handle_preemptions(meta)
-        chunks: list[torch.Tensor] = []
-        runs: list[list[int]] = []
-        loaded: list[LoadedChunk] = []
-        for load in meta.loads:
-            loaded.extend(self._read(load, chunks, runs))
-        if chunks:
-            self._load = _StepLoad(self._engine().start_load(chunks, runs), loaded)
-        else:
-            for chunk in loaded:
-                chunk.release()
         # Every rank tracks which requests save, savers or not: vLLM waits for each
         # rank to report a finished request before it frees the blocks.
         self._saving_reqs.update(save.req_id for save in meta.saves)
-        if self.saves and meta.saves:
+        if self.saves and meta.saves and self._save is None:
             self._begin_saves(meta.saves)
 
-    def _read(
-        self, load: LoadSpec, chunks: list[torch.Tensor], runs: list[list[int]]
-    ) -> list[LoadedChunk]:
-        """Load one request's chunks; queue their token ranges; note unloadable blocks."""
-        size = self.cache.chunk_size
-        try:
-            got = self.cache.load_keys(chunk_keys(self.cache, load.refs)).detach()
-        except Exception:  # a failed load is a recompute, never a failed step
-            logger.exception("lmtier: load of request %s failed", load.req_id)
-            got = []
-        device = self._engine().pages.device
-        for index, chunk in enumerate(got):
-            base = (load.refs.first_chunk + index) * size
-            start = max(base, load.start_token)
-            tensor = chunk_tensor(chunk.chunk).narrow(
-                self.spec.token_axis, start - base, base + size - start
-            )
-            if start != base and device.type == "cuda":
-                # Async loads need pinned, layer-major host chunks; a part of one is neither.
-                staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                tensor = staged.copy_(tensor)
-            chunks.append(tensor)
-            runs.append(self._kernel_ids(load.block_ids, start, base + size))
-        loaded_end = (load.refs.first_chunk + len(got)) * size
-        if loaded_end < load.end_token:
-            failed_from = max(loaded_end, load.start_token)
-            failed = self._kernel_ids(load.block_ids, failed_from, load.end_token)
-            per = self._kernel_blocks
-            self._failed_blocks.update(b // per for b in failed)
-            logger.debug(
-                "lmtier: request %s: tokens %d..%d not loadable, recomputed",
-                load.req_id,
-                failed_from,
-                load.end_token,
-            )
-        return got
+    def start_load(self, meta: LMTierConnectorMetadata) -> None:
+        """Start this step's loads (see :class:`Loader`)."""
+        self.loader.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        step = self._load
         index = self._layer_index.get(layer_name)
-        if step is not None and index is not None:
-            step.handle.wait_layer(index)
+        if index is not None:
+            self.loader.wait_layer(index)
 
     def failed_block_ids(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return self.loader.failed_block_ids()
 
-    def _finish_load(self) -> None:
-        step, self._load = self._load, None
-        if step is not None:
-            step.handle.synchronize()
-            for chunk in step.chunks:
-                chunk.release()
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load completed since the last call."""
+        return self.loader.finished()
 
     # ---- saves ---------------------------------------------------------------------
 
@@ -271,7 +215,7 @@ class WorkerHalf:
     def wait_for_save(self) -> None:
         """Enqueue what no ``save_kv_layer`` call did, then finish the step's saves in
         the background thread; release the step's load slabs."""
-        self._finish_load()
+        self.loader.finish()
         step, self._save = self._save, None
         if step is None:
             return
@@ -385,7 +329,7 @@ class WorkerHalf:
                 future.exception()  # waits; a failed save was logged by finished_saves
 
     def shutdown(self) -> None:
-        self._finish_load()
+        self.loader.shutdown()
         if self._save is not None:
             self.wait_for_save()
         self._writer.shutdown(wait=True)
