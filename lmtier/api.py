@@ -125,6 +125,7 @@ class LMTier(Maintenance):
             chunk_size=config.chunk_size,
             tp_size=tp_size,
             tp_rank=tp_rank,
+            kv_block_size=kv.block_size,
         )
         self._base_namespace = base
         self._salted = functools.lru_cache(maxsize=NAMESPACE_CACHE)(
@@ -268,6 +269,17 @@ class LMTier(Maintenance):
         disk index), so the call never waits on a remote tier.
         """
         return self._lookup(checked_keys(keys), local_only=local_only)
+
+    def lookup_keys_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
+        """:meth:`lookup_keys` when every tier it must ask answers without I/O (host
+        memory, the disk index), else None at once: for a caller that must not wait
+        on a remote tier (a scheduler) and asks it elsewhere instead."""
+        return self._lookup_now(checked_keys(keys))
+
+    def _lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
+        if not keys:
+            return Lookup(0, ())
+        return self._require().lookup_now(keys)
 
     def _lookup(self, keys: Sequence[ChunkKey], *, local_only: bool) -> Lookup:
         manager = self._require()

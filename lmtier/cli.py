@@ -82,6 +82,7 @@ def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
         ),
         kv_dtype=args.kv_dtype,
         kv_layout=args.kv_layout,
+        kv_block_size=args.kv_block_size,
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
@@ -140,6 +141,12 @@ def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
     )
     geometry.add_argument(
         "--kv-layout", choices=sorted(LAYOUTS), default="LKTHD", help="KV layout in chunks"
+    )
+    geometry.add_argument(
+        "--kv-block-size",
+        type=_count,
+        default=0,
+        help="tokens per page block of a paged --kv-layout (LBHSC, LBSHC); 0 for the others",
     )
 
 

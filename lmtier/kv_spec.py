@@ -1,7 +1,8 @@
 """The geometry of a model's KV cache, and torch views of chunks in pool slabs.
 
 A chunk holds the K and V of ``num_tokens`` tokens for every layer, in one of the
-chunk format's layouts (``LKTHD`` by default: layer, K/V, token, head, head_dim).
+chunk format's layouts (``LKTHD`` by default: layer, K/V, token, head, head_dim; or a
+paged layout, ``LBHSC``/``LBSHC``, holding whole page blocks in an engine's page order).
 :class:`KVSpec` knows the shapes and sizes; :func:`encode_kv_into` writes a KV
 tensor slice into a slab with one (possibly strided, possibly device-to-host) copy
 plus one checksum pass, and :func:`chunk_tensor` gives a zero-copy tensor view of a
@@ -22,6 +23,7 @@ from lmtier.chunks.encoding import HeaderTemplate, MacSigner, encoded_size, head
 from lmtier.chunks.format import (
     DTYPE_ITEMSIZE,
     LAYOUTS,
+    PAGED_LAYOUTS,
     ChunkGeometry,
     ChunkMeta,
     DecodedChunk,
@@ -68,7 +70,10 @@ class KVSpec:
     """Shape of one model's KV per token: layers, KV heads, head size, dtype, layout.
 
     For the ``LTD`` layout (MLA: one latent vector per token), ``num_kv_heads`` is 1
-    and ``head_dim`` is the latent size.
+    and ``head_dim`` is the latent size. The paged layouts (``LBHSC``, ``LBSHC``; K/V
+    models only) store whole page blocks of ``block_size`` tokens in the order of the
+    engine's pages, so that saving and loading them are block copies: ``block_size``
+    is the engine's page block size there (>= 1), and 0 for every other layout.
     """
 
     num_layers: int
@@ -76,6 +81,7 @@ class KVSpec:
     head_dim: int
     dtype: str = "float32"
     layout: str = "LKTHD"
+    block_size: int = 0
 
     def __post_init__(self) -> None:
         dims = (self.num_layers, self.num_kv_heads, self.head_dim)
@@ -91,6 +97,19 @@ class KVSpec:
             )
         if self.dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
+        size = self.block_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"block_size must be an int >= 0, got {size!r:.40}")
+        if self.paged and size < 1:
+            raise ValueError(
+                f"the paged layout {self.layout} holds whole page blocks: set block_size to "
+                "the engine's page block size (tokens per block, >= 1)"
+            )
+        if not self.paged and size:
+            raise ValueError(
+                f"block_size={size} applies to the paged layouts {sorted(PAGED_LAYOUTS)} "
+                f"only; {self.layout} needs block_size=0"
+            )
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype: str = "float32") -> KVSpec:
@@ -101,19 +120,60 @@ class KVSpec:
         )
         return cls(config.num_hidden_layers, heads, head_dim, dtype)
 
+    @property
+    def paged(self) -> bool:
+        """Whether the layout holds whole page blocks (``LBHSC``, ``LBSHC``), not tokens."""
+        return self.layout in PAGED_LAYOUTS
+
     def shape(self, num_tokens: int) -> tuple[int, ...]:
-        """Tensor shape of the KV of ``num_tokens`` tokens in this layout."""
+        """Tensor shape of the KV of ``num_tokens`` tokens in this layout (for a paged
+        layout, ValueError unless ``num_tokens`` is a multiple of ``block_size``)."""
         layers, heads, dim = self.num_layers, self.num_kv_heads, self.head_dim
         if self.layout == "LKTHD":
             return (layers, 2, num_tokens, heads, dim)
         if self.layout == "KLTHD":
             return (2, layers, num_tokens, heads, dim)
+        if self.paged:
+            slots = self.block_size
+            blocks, rest = divmod(num_tokens, slots)
+            if rest:
+                raise ValueError(
+                    f"{num_tokens} tokens are no whole number of blocks of {slots} "
+                    f"({self.layout} chunks hold whole page blocks)"
+                )
+            inner = (heads, slots) if self.layout == "LBHSC" else (slots, heads)
+            return (layers, blocks, *inner, 2 * dim)
         return (layers, num_tokens, heads * dim)
+
+    def tokens_of(self, shape: Sequence[int]) -> int | None:
+        """How many tokens a tensor of ``shape`` holds in this layout, or None when
+        ``shape`` is no ``self.shape(n)``."""
+        if len(shape) != len(self.layout):
+            return None
+        count = int(shape[self.token_axis]) * (self.block_size if self.paged else 1)
+        return count if tuple(shape) == self.shape(count) else None
 
     @property
     def token_axis(self) -> int:
-        """Index of the token axis in :meth:`shape`."""
+        """Index of the axis along which tokens run in :meth:`shape`: chunks of
+        consecutive tokens concatenate along it. For a paged layout it is the block axis,
+        whose indices count blocks of ``block_size`` tokens: narrow a tensor by tokens
+        with :meth:`narrow_tokens`, which knows both cases."""
         return LAYOUTS_TOKEN_AXIS[self.layout]
+
+    def narrow_tokens(self, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """Tokens ``[start, start + length)`` of a tensor shaped ``self.shape(n)``, as a
+        view (no copy). For a paged layout ``start`` and ``length`` must be multiples of
+        ``block_size`` (ValueError): a view cannot cut a block's slots out of its heads."""
+        if not self.paged:
+            return tensor.narrow(self.token_axis, start, length)
+        slots = self.block_size
+        if start % slots or length % slots:
+            raise ValueError(
+                f"tokens {start}..{start + length} of a {self.layout} chunk are not whole "
+                f"blocks of {slots}: a paged chunk narrows by whole blocks only"
+            )
+        return tensor.narrow(self.token_axis, start // slots, length // slots)
 
     @property
     def bytes_per_token(self) -> int:
@@ -148,29 +208,28 @@ class KVSpec:
         return ChunkGeometry(self.dtype, self.layout, self.shape(chunk_size))
 
 
-LAYOUTS_TOKEN_AXIS = {"LKTHD": 2, "KLTHD": 2, "LTD": 1}
+LAYOUTS_TOKEN_AXIS = {"LKTHD": 2, "KLTHD": 2, "LTD": 1, "LBHSC": 1, "LBSHC": 1}
 
 
 def check_kv(kv: object, spec: KVSpec) -> int:
     """How many tokens ``kv`` covers, after checking it matches ``spec`` exactly.
 
-    ``kv`` is one tensor shaped ``spec.shape(n)`` or one ``(K, V)`` pair per layer,
-    each shaped ``(n, num_kv_heads, head_dim)``; of ``spec``'s dtype (never cast
-    silently), strided, on a real device (not ``meta``). Anything else is an
-    :class:`~lmtier.errors.InvalidKVError` that says what was expected; nothing is
-    broadcast.
+    ``kv`` is one tensor shaped ``spec.shape(n)`` or (token layouts only) one
+    ``(K, V)`` pair per layer, each shaped ``(n, num_kv_heads, head_dim)``; of
+    ``spec``'s dtype (never cast silently), strided, on a real device (not ``meta``).
+    Anything else is an :class:`~lmtier.errors.InvalidKVError` that says what was
+    expected; nothing is broadcast.
     """
     if isinstance(kv, torch.Tensor):
         _check_tensor("kv", kv, spec)
-        expected = (
-            spec.shape(int(kv.shape[spec.token_axis])) if kv.dim() == len(spec.shape(0)) else None
-        )
-        if tuple(kv.shape) != expected:
+        count = spec.tokens_of(kv.shape)
+        if count is None:
+            unit = f"blocks of {spec.block_size} tokens" if spec.paged else "tokens"
             raise InvalidKVError(
                 f"kv has shape {tuple(kv.shape)}; this cache needs {spec.shape(0)} with any "
-                f"number of tokens on axis {spec.token_axis} ({spec.layout})"
+                f"number of {unit} on axis {spec.token_axis} ({spec.layout})"
             )
-        return int(kv.shape[spec.token_axis])
+        return count
     if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence):
         raise InvalidKVError(
             f"kv must be a torch.Tensor shaped {spec.shape(0)} (any token count) or a "
@@ -178,6 +237,12 @@ def check_kv(kv: object, spec: KVSpec) -> int:
         )
     if spec.layout == "LTD":
         raise InvalidKVError("per-layer (K, V) pairs need a K/V layout; pass one LTD tensor")
+    if spec.paged:
+        raise InvalidKVError(
+            f"per-layer (K, V) pairs need a token layout (LKTHD, KLTHD); {spec.layout} "
+            f"chunks hold whole page blocks: pass one tensor shaped {spec.shape(0)} with any "
+            f"number of blocks of {spec.block_size} tokens on axis {spec.token_axis}"
+        )
     if len(kv) != spec.num_layers:
         raise InvalidKVError(f"kv has {len(kv)} layers; this cache has {spec.num_layers}")
     tokens: int | None = None
@@ -219,9 +284,10 @@ def _check_tensor(where: str, tensor: torch.Tensor, spec: KVSpec) -> None:
 
 
 def narrow_kv(kv: KVSource, spec: KVSpec, start: int, length: int) -> KVSource:
-    """Tokens ``[start, start + length)`` of ``kv``, as views (no copy)."""
+    """Tokens ``[start, start + length)`` of ``kv``, as views (no copy); whole blocks
+    for a paged layout (:meth:`KVSpec.narrow_tokens`)."""
     if isinstance(kv, torch.Tensor):
-        return kv.narrow(spec.token_axis, start, length)
+        return spec.narrow_tokens(kv, start, length)
     return [(k.narrow(0, start, length), v.narrow(0, start, length)) for k, v in kv]
 
 

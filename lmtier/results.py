@@ -103,9 +103,10 @@ class LoadResult:
         return [self._view(chunk) for chunk in self.chunks]
 
     def kv(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """All loaded KV concatenated on the token axis (None if empty): a new tensor, or
-        written into ``out`` (shaped for :attr:`num_tokens`, any device), which spares
-        an allocation whose first touch costs more than the copy."""
+        """All loaded KV concatenated on the token axis, ``KVSpec.token_axis`` (the block
+        axis of a paged layout), or None if empty: a new tensor, or written into ``out``
+        (shaped for :attr:`num_tokens`, any device), which spares an allocation whose
+        first touch costs more than the copy."""
         # Views for the copy only (none escapes): cut from each slab's tensor, ~3 us a
         # chunk, not the ~13 us of a view that keeps this result alive (tensors()).
         views = [self._transient_view(chunk) for chunk in self.chunks]

@@ -46,6 +46,7 @@ from lmtier.chunks.format import (
     ChunkMeta,
     align_up,
     decode,
+    layout_tokens,
 )
 
 __all__ = [
@@ -167,7 +168,8 @@ def encoded_size(meta: ChunkMeta) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _payload_offset(dtype: str, shape: tuple[int, ...], layout: str) -> int:
-    meta = ChunkMeta(bytes(KEY_LEN), bytes(KEY_LEN), dtype, shape, layout, shape[layout.index("T")])
+    tokens = layout_tokens(shape, layout)
+    meta = ChunkMeta(bytes(KEY_LEN), bytes(KEY_LEN), dtype, shape, layout, tokens)
     return align_up(PREFIX_LEN + len(_pack_header(meta, 0, 0.0)))
 
 

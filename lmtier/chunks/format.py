@@ -72,6 +72,7 @@ __all__ = [
     "LAYOUTS",
     "MAGIC",
     "MAX_HEADER_LEN",
+    "PAGED_LAYOUTS",
     "PAYLOAD_ALIGN",
     "PREFIX",
     "PREFIX_LEN",
@@ -83,6 +84,7 @@ __all__ = [
     "decode",
     "decode_as",
     "decode_header",
+    "layout_tokens",
     "verify_payload",
 ]
 
@@ -122,9 +124,17 @@ LAYOUTS: Mapping[str, str] = MappingProxyType(
         "LKTHD": "layer, k/v, token, head, head_dim (layer-major, for layer-by-layer loading)",
         "KLTHD": "k/v, layer, token, head, head_dim",
         "LTD": "layer, token, latent dim (MLA: one latent per token)",
+        "LBHSC": "layer, block, head, slot, K then V (C = 2 * head_dim): whole page blocks "
+        "in the order of an engine page with heads before slots (vLLM HND), so a save or a "
+        "load is a block copy",
+        "LBSHC": "layer, block, slot, head, K then V (C = 2 * head_dim): whole page blocks "
+        "in the order of an engine page with slots before heads (vLLM NHD)",
     }
 )
 """Named KV layouts: each name spells its axes, one letter per dimension of ``shape``."""
+PAGED_LAYOUTS = frozenset(("LBHSC", "LBSHC"))
+"""The layouts that hold whole page blocks (B blocks of S token slots) instead of a token
+axis: a chunk of them holds ``B * S`` tokens, and C (K then V) must be even."""
 
 # Limits handed to msgpack so a hostile header cannot make it allocate much: the
 # longest legal string is a dtype name, the longest array a 5-axis shape.
@@ -143,6 +153,14 @@ _HEADER_FIELDS = frozenset(
 def align_up(n: int, align: int = PAYLOAD_ALIGN) -> int:
     """Round ``n`` up to a multiple of ``align`` (where the payload of a chunk starts)."""
     return -(-n // align) * align
+
+
+def layout_tokens(shape: tuple[int, ...], layout: str) -> int:
+    """How many tokens a payload of ``shape`` in ``layout`` holds: its token axis, or
+    blocks x slots for a paged layout. ``shape`` must have one entry per axis letter."""
+    if "T" in layout:
+        return shape[layout.index("T")]
+    return shape[layout.index("B")] * shape[layout.index("S")]
 
 
 def _is_int(x: object) -> TypeGuard[int]:
@@ -179,10 +197,14 @@ def _check_meta(
         raise ValueError(f"unknown layout {layout!r:.60}; known: {sorted(LAYOUTS)}")
     if not _is_shape(shape) or len(shape) != len(layout) or min(shape) < 1:
         raise ValueError(f"shape {shape!r:.60} is not {len(layout)} ints >= 1 for {layout}")
-    if not _is_int(num_tokens) or shape[layout.index("T")] != num_tokens:
-        raise ValueError(f"token axis of {shape} ({layout}) is not num_tokens={num_tokens!r:.40}")
+    tokens = layout_tokens(shape, layout)
+    axes = "token axis" if "T" in layout else "blocks x slots"
+    if not _is_int(num_tokens) or tokens != num_tokens:
+        raise ValueError(f"{axes} of {shape} ({layout}) is not num_tokens={num_tokens!r:.40}")
     if "K" in layout and shape[layout.index("K")] != 2:
         raise ValueError(f"k/v axis of {shape} ({layout}) is not 2")
+    if "C" in layout and shape[layout.index("C")] % 2:
+        raise ValueError(f"K+V axis of {shape} ({layout}) is odd: it holds K then V, equal halves")
     if not isinstance(created, (int, float)) or isinstance(created, bool):
         raise ValueError(f"created must be a unix time, got {created!r:.60}")
     if not math.isfinite(created) or created < 0:

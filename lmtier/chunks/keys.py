@@ -6,7 +6,8 @@ tier on any machine stands for exactly one prefix under one namespace::
 
     ns   = xxh3_128(msgpack([tag, version, model_id, revision, kv_dtype, kv_layout,
                               num_layers, num_kv_heads, head_dim, chunk_size,
-                              tp_size, tp_rank, format_version, cache_salt]))
+                              tp_size, tp_rank, format_version, cache_salt
+                              (, kv_block_size: only when nonzero)]))
     k[0] = xxh3_128(ns     || w || tokens[0:C]       || extra[0])
     k[i] = xxh3_128(k[i-1] || w || tokens[iC:(i+1)C] || extra[i])
 
@@ -22,10 +23,10 @@ directory, a Redis key or S3 prefix per model revision and tenant), so one model
 one tenant's cache can be listed, expired or deleted without touching the rest.
 
 Everything that makes KV differ for equal tokens is in the namespace digest, so a
-new model revision, dtype, layout, KV geometry (layers, KV heads, head size), TP
-rank or tenant (``cache_salt``) matches no old key: invalidation and isolation are
-one mechanism. Python's ``hash()`` is never
-used (it is salted per process).
+new model revision, dtype, layout, KV geometry (layers, KV heads, head size; the page
+block size of a paged layout), TP rank or tenant (``cache_salt``) matches no old key:
+invalidation and isolation are one mechanism. Python's ``hash()`` is never used (it
+is salted per process).
 
 A second, vLLM-compatible algorithm lives in :mod:`lmtier.chunks.vllm_hash`; both satisfy
 the :class:`ChunkHasher` protocol and are chosen with
@@ -115,8 +116,10 @@ class Namespace:
     unspecified, for keys computed without a model at hand), ``chunk_size`` (tokens
     per chunk), ``tp_size``/``tp_rank`` (each tensor-parallel rank stores its own
     shard), ``format_version`` (of the chunk format), ``cache_salt`` (a tenant's
-    secret; equal salts share, others never do). A field of the wrong type is a
-    ConfigError naming it.
+    secret; equal salts share, others never do), ``kv_block_size`` (tokens per page
+    block of a paged layout, ``KVSpec.block_size``; 0 otherwise, and then left out of
+    the digest, so namespaces from before it keep their keys). A field of the wrong
+    type is a ConfigError naming it.
     """
 
     model_id: str
@@ -131,6 +134,7 @@ class Namespace:
     tp_rank: int = 0
     format_version: int = FORMAT_VERSION
     cache_salt: str = ""
+    kv_block_size: int = 0
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,7 +142,8 @@ class Namespace:
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ConfigError(f"{name} must be a str, got {type(value).__name__}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank"):
+        counts = ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank")
+        for name in (*counts, "kv_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {brief(value)}")
@@ -146,25 +151,25 @@ class Namespace:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
-        encoded = msgpack.packb(
-            [
-                _NAMESPACE_TAG,
-                _NAMESPACE_SCHEME_VERSION,
-                self.model_id,
-                self.model_revision,
-                self.kv_dtype,
-                self.kv_layout,
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                self.chunk_size,
-                self.tp_size,
-                self.tp_rank,
-                self.format_version,
-                self.cache_salt,
-            ],
-            use_bin_type=True,
-        )
+        fields: list[object] = [
+            _NAMESPACE_TAG,
+            _NAMESPACE_SCHEME_VERSION,
+            self.model_id,
+            self.model_revision,
+            self.kv_dtype,
+            self.kv_layout,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.chunk_size,
+            self.tp_size,
+            self.tp_rank,
+            self.format_version,
+            self.cache_salt,
+        ]
+        if self.kv_block_size:  # appended only when set: every older digest stays as it was
+            fields.append(self.kv_block_size)
+        encoded = msgpack.packb(fields, use_bin_type=True)
         object.__setattr__(self, "digest", xxhash.xxh3_128_digest(encoded))
 
     def __repr__(self) -> str:
@@ -174,6 +179,7 @@ class Namespace:
             f"Namespace(model_id={self.model_id!r}, model_revision={self.model_revision!r}, "
             f"kv_dtype={self.kv_dtype!r}, kv_layout={self.kv_layout!r}, "
             f"kv_geometry={self.num_layers}x{self.num_kv_heads}x{self.head_dim}, "
+            f"kv_block_size={self.kv_block_size}, "
             f"chunk_size={self.chunk_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"format_version={self.format_version}, cache_salt={salt}, "
             f"id={self.digest.hex()[:12]})"

@@ -70,7 +70,8 @@ def resolve_model(args: argparse.Namespace, config: LMTierConfig) -> ResolvedMod
             "give --model DIR, or the KV geometry: --num-layers, --num-kv-heads and --head-dim"
         )
     try:
-        spec = KVSpec(**fields, layout=getattr(args, "kv_layout", None) or "LKTHD")
+        layout = getattr(args, "kv_layout", None) or "LKTHD"
+        spec = KVSpec(**fields, layout=layout, block_size=getattr(args, "kv_block_size", 0))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     changes: dict[str, Any] = {}

@@ -88,9 +88,15 @@ class SessionSpace:
                 message.head_dim,
                 dtype=message.kv_dtype or "float32",
                 layout=message.kv_layout or "LKTHD",
+                block_size=message.kv_block_size,
             )
         except ValueError as exc:
             raise InvalidRequestError(f"namespace: {exc}") from None
+        if spec.paged and message.chunk_size % spec.block_size:
+            raise InvalidRequestError(
+                f"namespace.kv_block_size {spec.block_size} does not divide chunk_size "
+                f"{message.chunk_size}: a {spec.layout} chunk holds whole blocks"
+            )
         payload = spec.bytes_per_token * message.chunk_size
         if payload > MAX_CHUNK_PAYLOAD:
             raise InvalidRequestError(
@@ -108,6 +114,7 @@ class SessionSpace:
             tp_size=tp_size,
             tp_rank=message.tp_rank,
             cache_salt=message.cache_salt,
+            kv_block_size=spec.block_size,
         )
         return cls(namespace, spec, message.chunk_size)
 
@@ -132,6 +139,7 @@ def to_wire(namespace: Namespace) -> pb.Namespace:
         tp_size=namespace.tp_size,
         tp_rank=namespace.tp_rank,
         cache_salt=namespace.cache_salt,
+        kv_block_size=namespace.kv_block_size,
     )
 
 

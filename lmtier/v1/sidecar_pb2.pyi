@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Namespace(_message.Message):
-    __slots__ = ("model_id", "model_revision", "kv_dtype", "kv_layout", "num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank", "cache_salt")
+    __slots__ = ("model_id", "model_revision", "kv_dtype", "kv_layout", "num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank", "cache_salt", "kv_block_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class Namespace(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_revision: str
     kv_dtype: str
@@ -30,7 +31,8 @@ class Namespace(_message.Message):
     tp_size: int
     tp_rank: int
     cache_salt: str
-    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_block_size: int
+    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("namespace", "shared_memory", "client_name")

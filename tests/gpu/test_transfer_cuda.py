@@ -156,3 +156,71 @@ def test_async_paths_refuse_pageable_or_non_layer_major_host_chunks() -> None:
     pinned = torch.empty(kv_first.shape(16), dtype=torch.float16).pin_memory()
     with pytest.raises(ValueError, match="layer-major"):
         engine.start_save([[0]], [pinned])
+
+
+# --- paged chunk layouts (LBHSC, LBSHC): block copies between vLLM pages and slabs --------
+
+VLLM_ORDERS = {"BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4)}
+
+
+def vllm_pages(order: str, layout: str, num_blocks: int = 64) -> PagedKVCache:
+    """Random per-layer [B, H, N, C] bf16 CUDA views of one buffer in vLLM's ``order``,
+    wrapped for the paged chunk ``layout`` (4 layers, 8 heads, 128 head dim, block 16)."""
+    spec = KVSpec(4, 8, 128, "bfloat16", layout, block_size=16)
+    logical = (4, num_blocks, 8, 16, 256)
+    physical = VLLM_ORDERS[order]
+    raw = torch.randn([logical[a] for a in physical], device="cuda").to(torch.bfloat16)
+    layers = raw.permute(*[physical.index(a) for a in range(5)]).unbind(0)
+    return PagedKVCache.from_tensors(spec, list(layers))
+
+
+@pytest.mark.parametrize(
+    ("order", "layout"), [("BLHNC", "LBHSC"), ("BLNHC", "LBSHC"), ("LHBNC", "LBHSC")]
+)
+def test_paged_chunks_round_trip_through_pinned_slabs(order: str, layout: str) -> None:
+    pages = vllm_pages(order, layout)
+    spec = pages.spec
+    engine = TransferEngine(pages)
+    runs = [[3, 9, 1, 40], [7, 8, 9, 10]]  # scattered, consecutive: 64 tokens each
+    pool, handles = slabs(spec, 2, 64)
+    metas = [spec.meta(KEY, 64)] * 2
+    outs = [payload_tensor(h, m) for h, m in zip(handles, metas, strict=True)]
+    save = engine.begin_save(runs, outs)
+    for layer in range(spec.num_layers):
+        save.save_layer(layer)
+    save.wait()
+    chunks = [decode(h.view[: seal_slab(h, m)]) for h, m in zip(handles, metas, strict=True)]
+    for chunk, run in zip(chunks, runs, strict=True):
+        expected = torch.stack([pages.blocks(i)[run] for i in range(spec.num_layers)])
+        assert torch.equal(chunk_tensor(chunk), expected.cpu())
+        assert torch.equal(chunk_tensor(chunk), host_copy(pages, run, 64))
+
+    target = vllm_pages(order, layout)
+    new_runs = [[10, 11, 12, 13], [0, 63, 5, 6]]
+    load = engine_for(target).start_load(chunks, new_runs)
+    for layer in reversed(range(spec.num_layers)):
+        load.wait_layer(layer)
+        for chunk, run in zip(chunks, new_runs, strict=True):
+            assert torch.equal(target.blocks(layer)[run].cpu(), chunk_tensor(chunk)[layer])
+    assert load.done() and len(load.events) == spec.num_layers
+    close(pool, handles)
+
+
+def test_paged_saves_wait_for_compute_and_refuse_pageable_chunks() -> None:
+    pages = vllm_pages("BLHNC", "LBHSC")
+    spec = pages.spec
+    pool, handles = slabs(spec, 1, 256)
+    out = payload_tensor(handles[0], spec.meta(KEY, 256))
+    engine = TransferEngine(pages)
+    engine.start_save([list(range(16))], [out]).wait()  # warm up kernels and allocations
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(20):
+        busy = busy @ busy / 8192
+    save = engine.start_save([list(range(16))], [out])
+    assert not save.done()
+    save.wait()
+    assert torch.equal(out, host_copy(pages, list(range(16)), 256))
+    with pytest.raises(ValueError, match="pinned"):
+        engine.start_load([torch.empty(spec.shape(16), dtype=torch.bfloat16)], [[0]])
+    close(pool, handles)

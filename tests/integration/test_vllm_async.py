@@ -106,6 +106,18 @@ def run_until_scheduled(engine: Engine, req_id: str, steps: int = 20) -> Schedul
     raise AssertionError(f"{req_id} was not scheduled in {steps} steps")
 
 
+def slab_tokens(handle: Any, meta: Any, layer: int) -> torch.Tensor:
+    """One layer of a chunk in a slab as ``[tokens, heads, 2 * head_dim]`` (K then V),
+    whatever its layout."""
+    chunk = payload_tensor(handle, meta)[layer]
+    if meta.layout == "LBHSC":  # (blocks, heads, slots, 2D)
+        return chunk.permute(0, 2, 1, 3).reshape(CHUNK, HEADS, 2 * HEAD_DIM)
+    if meta.layout == "LBSHC":  # (blocks, slots, heads, 2D)
+        return chunk.reshape(CHUNK, HEADS, 2 * HEAD_DIM)
+    assert meta.layout == "LKTHD"  # (2, tokens, heads, D)
+    return chunk.permute(1, 2, 0, 3).reshape(CHUNK, HEADS, 2 * HEAD_DIM)
+
+
 def assert_pages(engine: Engine, request: Request, tokens: list[int], stop: int) -> None:
     for layer in range(LAYERS):
         got = engine.page_tokens(request, 0, stop, layer)
@@ -301,11 +313,12 @@ def test_chunked_prefill_saves_each_chunk_in_the_step_that_completes_it(
     assert_pages(reader, request, [*PROMPT, 5], 193)
 
 
+@pytest.mark.parametrize("chunk_layout", ["page", "LKTHD"])
 @pytest.mark.parametrize("loads_first", [True, False], ids=["loads-first", "loads-after"])
 def test_saves_copy_each_layer_during_the_forward_pass_in_both_step_orders(
-    model_dir: Path, tmp_path: Path, engines: list[Engine], loads_first: bool
+    model_dir: Path, tmp_path: Path, engines: list[Engine], loads_first: bool, chunk_layout: str
 ) -> None:
-    writer = engine(engines, model_dir, lmtier_overrides(tmp_path))
+    writer = engine(engines, model_dir, lmtier_overrides(tmp_path), chunk_layout=chunk_layout)
     writer.add("a", PROMPT)
     out = writer.scheduler.schedule()
     assert not out.has_sync_kv_loads  # vLLM calls start_load_kv after this forward pass
@@ -326,10 +339,8 @@ def test_saves_copy_each_layer_during_the_forward_pass_in_both_step_orders(
             connector.save_kv_layer(name, writer.kv[name], None)  # type: ignore[arg-type]
             assert step.handle.pending_layers == list(range(layer + 1, LAYERS))
             for index, slab in enumerate(step.slabs):  # layer `layer` is in the slab now
-                chunk = payload_tensor(slab.handle, slab.meta)
                 want = expected_tokens(PROMPT, index * CHUNK, (index + 1) * CHUNK, layer)
-                got = chunk[layer].permute(1, 2, 0, 3).reshape(CHUNK, HEADS, 2 * HEAD_DIM)
-                assert torch.equal(got, want)
+                assert torch.equal(slab_tokens(slab.handle, slab.meta, layer), want)
         if not loads_first:
             connector.start_load_kv(None)  # type: ignore[arg-type]
         connector.wait_for_save()

@@ -45,12 +45,18 @@ with warnings.catch_warnings():
         drain_finished,
         expected_tokens,
         finish,
+        kv_cache_config,
         lmtier_overrides,
         make_vllm_config,
         write_model_dir,
     )
 
-    from lmtier_connector.vllm.common import chunk_keys
+    from lmtier.api import LMTier
+    from lmtier.config import load_config
+    from lmtier.errors import ConfigError
+    from lmtier.kv_spec import KVSpec
+    from lmtier_connector.vllm.common import ConnectorSettings, chunk_keys
+    from lmtier_connector.vllm.connector import kv_spec_of
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +81,12 @@ def test_the_factory_builds_our_connector(
     assert engine.worker.lmtier is engine.connector.lmtier  # one process: one cache
 
 
+@pytest.mark.parametrize("reader_layout", ["LBHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("chunk_layout", ["page", "LKTHD"])
 def test_saves_then_a_fresh_scheduler_loads_bit_exact(
-    model_dir: Path, tmp_path: Path, engines: list[Engine]
+    model_dir: Path, tmp_path: Path, engines: list[Engine], chunk_layout: str, reader_layout: str
 ) -> None:
-    extra = {"config": lmtier_overrides(tmp_path)}
+    extra = {"config": lmtier_overrides(tmp_path), "chunk_layout": chunk_layout}
     first = Engine(make_vllm_config(model_dir, extra), KVCacheLayout.BLHNC)
     engines.append(first)
     prompt = PREFIX[:200]
@@ -91,7 +99,7 @@ def test_saves_then_a_fresh_scheduler_loads_bit_exact(
     assert drain_finished(first, {"a"}) == {"a"}
 
     # A fresh scheduler (empty vLLM prefix cache) with other page strides, same tiers.
-    second = Engine(make_vllm_config(model_dir, extra), KVCacheLayout.LBHNC)
+    second = Engine(make_vllm_config(model_dir, extra), KVCacheLayout[reader_layout])
     engines.append(second)
     request = second.add("b", [*PREFIX[:200], 5, 6, 7])
     matched, is_async = second.connector.get_num_new_matched_tokens(request, 0)
@@ -286,3 +294,22 @@ def test_block_removed_is_announced_when_the_cpu_tier_evicts(
     cache.flush()
     keys = chunk_keys(cache, engine.connector._sched().refs(first, 0, 3))
     assert cache.lookup_keys(keys).num_chunks == 3
+
+
+def test_chunk_layout_follows_the_page_order_vllm_resolved(model_dir: Path, tmp_path: Path) -> None:
+    config = make_vllm_config(model_dir, {"config": lmtier_overrides(tmp_path)})
+    assert kv_spec_of(config, "page") == KVSpec(LAYERS, HEADS, HEAD_DIM, "float32", "LBHSC", 16)
+    config.cache_config.kv_cache_layout = "BLNHC"  # slots before heads (NHD)
+    assert kv_spec_of(config, "page").layout == "LBSHC"
+    resolved = kv_cache_config(KVCacheLayout.LBHNC)
+    resolved.kv_cache_layout = "LBHNC"  # what the engine core hands the workers wins
+    assert kv_spec_of(config, "page", resolved).layout == "LBHSC"
+    assert kv_spec_of(config, "LKTHD") == KVSpec(LAYERS, HEADS, HEAD_DIM, "float32")
+    # The layout is part of the namespace: page chunks and LKTHD chunks never mix.
+    caches = [
+        LMTier(load_config(overrides={"chunk_size": CHUNK}), spec, model_id="m")
+        for spec in (kv_spec_of(config, "page"), kv_spec_of(config, "LKTHD"))
+    ]
+    assert caches[0].namespace("") != caches[1].namespace("")
+    with pytest.raises(ConfigError, match="chunk_layout"):
+        ConnectorSettings.from_extra_config({"chunk_layout": "LBHSC"})

@@ -36,6 +36,7 @@ with warnings.catch_warnings():
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        compute_layout_strides,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -125,15 +126,16 @@ def make_vllm_config(
 
 
 def kv_cache_config(layout: KVCacheLayout, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
-    compact = layout.is_layer_compact
+    """One KV buffer for every layer in ``layout``, with the strides vLLM computes."""
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, LAYERS, layout)
     tensor = KVCacheTensor(
         size=PAGE * num_blocks * LAYERS,
         layers=list(NAMES),
-        layer_stride=PAGE * num_blocks if compact else PAGE,
-        block_stride=PAGE if compact else PAGE * LAYERS,
-    )
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+        layer_stride=layer_stride,
+        block_stride=block_stride,
     )
     return KVCacheConfig(
         num_blocks=num_blocks,

@@ -32,6 +32,7 @@ from lmtier.chunks.format import (
     FORMAT_VERSION,
     LAYOUTS,
     MAX_HEADER_LEN,
+    PAGED_LAYOUTS,
     PAYLOAD_ALIGN,
     ChunkMeta,
     align_up,
@@ -53,13 +54,14 @@ KEY = bytes(range(16))
 NS = bytes(range(100, 116))
 PREFIX = struct.Struct("<4sHHIIQ")
 NUM_TOKENS = 3
-DIMS = {"L": 2, "K": 2, "T": NUM_TOKENS, "H": 2, "D": 4}
+DIMS = {"L": 2, "K": 2, "T": NUM_TOKENS, "H": 2, "D": 4, "B": 3, "S": 2, "C": 8}
 DTYPES = [name for name in DTYPE_ITEMSIZE if hasattr(torch, name)]
 
 
 def make_meta(dtype: str = "bfloat16", layout: str = "LKTHD", created: float = 0.0) -> ChunkMeta:
     shape = tuple(DIMS[axis] for axis in layout)
-    return ChunkMeta(KEY, NS, dtype, shape, layout, NUM_TOKENS, created)
+    tokens = NUM_TOKENS if "T" in layout else DIMS["B"] * DIMS["S"]  # paged: whole blocks
+    return ChunkMeta(KEY, NS, dtype, shape, layout, tokens, created)
 
 
 def make_tensor(dtype: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -152,7 +154,9 @@ def test_dtype_itemsizes_match_torch() -> None:
 
 
 def test_layouts_and_nbytes() -> None:
-    assert set(LAYOUTS) == {"LKTHD", "KLTHD", "LTD"}
+    assert set(LAYOUTS) == {"LKTHD", "KLTHD", "LTD", "LBHSC", "LBSHC"}
+    assert {"LBHSC", "LBSHC"} == PAGED_LAYOUTS
+    assert ChunkMeta(KEY, NS, "float16", (4, 16, 8, 16, 256), "LBHSC", 256).nbytes == 1 << 22
     meta = ChunkMeta(KEY, NS, "float32", (4, 2, 16, 8, 128), "LKTHD", 16)
     assert meta.nbytes == 4 * 2 * 16 * 8 * 128 * 4
     assert ChunkMeta(KEY, NS, "float8_e5m2", (3, 5, 7), "LTD", 5).nbytes == 105
@@ -372,6 +376,49 @@ def test_inconsistent_headers(change: dict[str, Any], match: str) -> None:
         decode(frame(msgpack.packb(fields), PAYLOAD))
 
 
+@pytest.mark.parametrize(
+    ("layout", "change"),
+    [
+        ("LBHSC", {"num_tokens": 5}),  # not blocks x slots = 6
+        ("LBSHC", {"num_tokens": 3}),  # one block's worth, or one axis alone
+        ("LBHSC", {"shape": (2, 3, 2, 2, 7)}),  # odd C: K and V are equal halves
+        ("LBSHC", {"shape": (2, 3, 2, 2, 8, 1)}),
+        ("LBHSC", {"shape": (2, 0, 2, 2, 8), "num_tokens": 0}),
+    ],
+)
+def test_bad_paged_meta_is_value_error(layout: str, change: dict[str, Any]) -> None:
+    fields = dataclasses.asdict(make_meta("float16", layout)) | change
+    with pytest.raises(ValueError, match=r"\S"):
+        ChunkMeta(**fields)
+
+
+def test_paged_layouts_count_tokens_as_blocks_times_slots_and_have_no_k_axis() -> None:
+    meta = ChunkMeta(KEY, NS, "float16", (3, 4, 8, 16, 6), "LBHSC", 64)  # C = 6, not 2
+    assert meta.nbytes == 3 * 4 * 8 * 16 * 6 * 2
+    assert ChunkMeta(KEY, NS, "uint8", (1, 1, 1, 1, 2), "LBSHC", 1).nbytes == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"tokens": 3}, "blocks x slots"),
+        ({"tokens": 7}, "blocks x slots"),
+        ({"shape": [2, 3, 2, 2, 7], "nbytes": 2 * 3 * 2 * 2 * 7}, "odd"),
+        ({"shape": [2, 3, 2, 8], "nbytes": 2 * 3 * 2 * 8}, "shape"),
+        ({"shape": [2, 3, 2, 0, 8]}, "shape"),
+        ({"shape": [2, 3, 2, 2, 2**62]}, "nbytes"),
+        ({"layout": "LBHSD"}, "layout"),
+        ({"layout": "LKTHD"}, "k/v|token"),
+    ],
+)
+def test_inconsistent_paged_headers(change: dict[str, Any], match: str) -> None:
+    meta = make_meta("uint8", "LBHSC")
+    payload = bytes(meta.nbytes)
+    fields = valid_fields(meta, payload) | change
+    with pytest.raises(InconsistentChunk, match=match):
+        decode(frame(msgpack.packb(fields), payload))
+
+
 def test_k_axis_must_be_two() -> None:
     meta = make_meta("uint8", "KLTHD")
     payload = bytes(meta.nbytes // 2 * 3)
@@ -424,6 +471,8 @@ SEED_BLOBS = [
     _small_blob("LKTHD", "float16"),
     _small_blob("KLTHD", "int8"),
     _small_blob("LTD", "float32"),
+    _small_blob("LBHSC", "bfloat16"),
+    _small_blob("LBSHC", "float8_e4m3fn"),
 ]
 
 

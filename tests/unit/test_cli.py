@@ -46,6 +46,17 @@ def test_keys_from_stdin_match_the_library() -> None:
     assert out.split() == [k.hex() for k in expected]
 
 
+def test_keys_of_a_paged_layout_carry_its_block_size() -> None:
+    tokens = " ".join(map(str, range(32)))
+    args = ["keys", "--chunk-size", "16", "--model-id", "m", "--kv-layout", "LBHSC"]
+    code, out, _ = run_cli([*args, "--kv-block-size", "8"], stdin=tokens)
+    assert code == 0
+    namespace = Namespace(model_id="m", chunk_size=16, kv_layout="LBHSC", kv_block_size=8)
+    assert out.split() == [k.hex() for k in chunk_keys(list(range(32)), namespace)]
+    _, other, _ = run_cli([*args, "--kv-block-size", "16"], stdin=tokens)
+    assert set(other.split()).isdisjoint(out.split())
+
+
 def test_keys_from_a_file_in_vllm_mode(tmp_path: Path) -> None:
     path = tmp_path / "prompt.txt"
     path.write_text(" ".join(str(i) for i in range(64)))

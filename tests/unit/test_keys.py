@@ -243,6 +243,23 @@ def test_kv_geometry_separates_namespaces() -> None:
         assert dataclasses.replace(base, **change).digest != base.digest  # type: ignore[arg-type]
 
 
+def test_the_page_block_size_keys_only_when_set() -> None:
+    """kv_block_size 0 leaves the digest of every namespace from before it as it was;
+    a paged layout's block sizes separate namespaces, appended as the last field."""
+    unset = dataclasses.replace(GOLDEN_NAMESPACE, kv_block_size=0)
+    assert unset.digest.hex() == GOLDEN["namespace"]
+    paged = {"kv_layout": "LBHSC", "kv_dtype": "float16"}
+    small = dataclasses.replace(GOLDEN_NAMESPACE, kv_block_size=16, **paged)  # type: ignore[arg-type]
+    large = dataclasses.replace(small, kv_block_size=32)
+    assert len({small.digest, large.digest, unset.digest}) == 3
+    fields = ["lmtier.namespace", 2, "golden-model", "r1", "float16", "LBHSC"]
+    fields += [2, 4, 8, 4, 1, 0, 3, "", 16]  # ..., salt, then the block size
+    assert small.digest == xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
+    assert "kv_block_size=16" in repr(small) and "kv_block_size=0" in repr(unset)
+    with pytest.raises(ConfigError, match="kv_block_size"):
+        Namespace(model_id="m", kv_block_size=-16)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -30,18 +30,28 @@ supported. Nothing here ever assumes contiguity.
 
 **The canonical view.** Every layout is viewed, without a copy, as ``(K, N, S, H, D)``
 per layer (K is 1 for MLA): a transpose, a permute or an unsqueeze. The transfer
-engine only knows this view, so one gather/scatter formulation serves every layout.
-When all layers are equally spaced views of one storage (our own allocation; vLLM's
-layer-compact and block-outermost layouts), :attr:`PagedKVCache.stacked` is the same
-view with a leading layer axis, built with ``as_strided``, and whole-model transfers
-use it. :func:`bit_view`, :func:`split_tokens` and :func:`as_3d` are the other views
-the transfer engine takes (all views, never copies).
+engine moves token-layout chunks (``LKTHD``, ``KLTHD``, ``LTD``) through this view, so
+one gather/scatter formulation serves every page layout. When all layers are equally
+spaced views of one storage (our own allocation; vLLM's layer-compact and
+block-outermost layouts), :attr:`PagedKVCache.stacked` is the same view with a leading
+layer axis, built with ``as_strided``, and whole-model transfers use it.
+:mod:`lmtier_connector.device.page_copy` holds the other views the transfer engine
+takes (all views, never copies) and its block copies.
+
+**Block views, for paged chunks.** A spec in a paged chunk layout (``LBHSC``,
+``LBSHC``: :attr:`KVSpec.paged`) stores whole blocks in the page's own order, so it
+needs ``NHSC`` pages of its ``block_size`` (else a ``ValueError`` that says what to
+configure; :func:`paged_chunk_layout` names the layout that matches a page tensor).
+:meth:`PagedKVCache.blocks` views each layer as ``(N, H, S, C)`` or ``(N, S, H, C)``, the
+chunk's block order, and a save or a load is a copy of whole blocks between that view
+and the chunk's ``(L, B, ..., C)``: row copies of each block's bytes where the page
+stores them in the chunk's order (vLLM's LBHNC/BLHNC with ``LBHSC``, LBNHC/BLNHC with
+``LBSHC``), a strided copy otherwise.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections.abc import Sequence
 from typing import Literal, get_args
@@ -51,7 +61,7 @@ import torch
 from lmtier.chunks.keys import BLOCK_SIZE
 from lmtier.kv_spec import KVSpec, torch_dtype
 
-__all__ = ["PAGE_LAYOUTS", "PageLayout", "PagedKVCache", "as_3d", "bit_view", "split_tokens"]
+__all__ = ["PAGE_LAYOUTS", "PageLayout", "PagedKVCache", "paged_chunk_layout"]
 
 PageLayout = Literal["KNSHD", "NKSHD", "NHSC", "NSD"]
 PAGE_LAYOUTS: tuple[PageLayout, ...] = get_args(PageLayout)
@@ -115,6 +125,37 @@ def _detect_layout(spec: KVSpec, shape: tuple[int, ...], block_size: int | None)
     )
 
 
+_BLOCK_ORDER = {"LBHSC": (0, 1, 2, 3), "LBSHC": (0, 2, 1, 3)}
+"""How a paged chunk layout orders an NHSC layer (N, H, S, C): its block view's axes."""
+
+
+def paged_chunk_layout(layer: torch.Tensor) -> str:
+    """The paged chunk layout whose blocks are stored like those of ``layer``, one
+    ``NHSC`` per-layer tensor (N, H, S, C): ``"LBHSC"`` when its heads come before its
+    slots in memory (vLLM's HND orders: LBHNC, BLHNC, LHBNC, BHLNC), ``"LBSHC"`` when
+    its slots come first (NHD: LBNHC, BLNHC). With it a save or a load of a block is a
+    row copy; with the other one, a strided copy."""
+    if layer.dim() != 4:
+        raise ValueError(f"an NHSC layer is (N, H, S, C), got shape {tuple(layer.shape)}")
+    return "LBHSC" if layer.stride(1) >= layer.stride(2) else "LBSHC"
+
+
+def _check_paged(spec: KVSpec, layout: PageLayout, block_size: int) -> None:
+    """A paged-layout spec moves whole blocks of NHSC pages of its own block size."""
+    if layout != "NHSC":
+        raise ValueError(
+            f"{spec.layout} chunks are whole blocks of NHSC pages (vLLM >= 0.33's [B, H, N, C] "
+            f"views); these pages are {layout}: configure the chunk layout LKTHD "
+            "(KVSpec(layout='LKTHD', block_size=0)) for them"
+        )
+    if spec.block_size != block_size:
+        raise ValueError(
+            f"the pages hold blocks of {block_size} slots, the spec says block_size="
+            f"{spec.block_size}: configure KVSpec(block_size={block_size}) (the engine's page "
+            "block size) for this cache"
+        )
+
+
 def _canonical(tensor: torch.Tensor, layout: PageLayout, pairs: int) -> torch.Tensor:
     """View a per-layer tensor as (K, N, S, H, D); never copies."""
     if layout == "KNSHD":
@@ -159,73 +200,55 @@ def _stack(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(shape, strides, offsets[0])
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bit_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The same memory as integers of the same width (same shape and strides)."""
-    return tensor.view(_BITS[tensor.element_size()])
-
-
-def split_tokens(chunk: torch.Tensor, num_blocks: int, slots: int) -> torch.Tensor:
-    """View (..., T, H, D) as (..., blocks, S, H, D); splitting an axis never copies."""
-    shape = chunk.shape
-    return chunk.view(*shape[:-3], num_blocks, slots, *shape[-2:])
-
-
-def _joinable(tensor: torch.Tensor, start: int, end: int) -> bool:
-    """Whether axes ``start .. end - 1`` merge into one axis by a view (no copy)."""
-    axes = [(tensor.shape[i], tensor.stride(i)) for i in range(start, end) if tensor.shape[i] != 1]
-    return all(outer == inner * size for (_, outer), (size, inner) in itertools.pairwise(axes))
-
-
-def as_3d(blocks: torch.Tensor) -> torch.Tensor | None:
-    """(..., N, S, H, D) as (P, N, S*H*D) when that is a view, else None.
-
-    The transfer engine indexes blocks through it where it can: index_select and
-    index_copy_ over 3 axes with long rows run ~25% faster on CPU than over 5 or 6
-    (measured here: 13.5 vs 10.8 GB/s single-threaded).
-    """
-    rank = blocks.dim()
-    if not (_joinable(blocks, 0, rank - 4) and _joinable(blocks, rank - 3, rank)):
-        return None
-    return blocks.view(-1, blocks.shape[-4], math.prod(blocks.shape[-3:]))
-
-
 class PagedKVCache:
     """Per-layer paged K/V on the model's device, allocated once, viewed canonically.
 
     ``PagedKVCache(spec, num_blocks, block_size, device)`` allocates and zeroes one
-    tensor for all layers (see the module docstring for its layout); wrap an engine's
-    existing tensors with :meth:`from_tensors`. Blocks are numbered ``0 ..
+    tensor for all layers (see the module docstring for its layout; for a paged spec,
+    NHSC pages stored in the chunk's block order, of ``spec.block_size`` slots when
+    ``block_size`` is None, as it is by default: :data:`BLOCK_SIZE` otherwise); wrap
+    an engine's existing tensors with :meth:`from_tensors`. Blocks are numbered ``0 ..
     num_blocks - 1``; which blocks a request owns is the block manager's business.
     """
 
     __slots__ = (
         "_block_size",
+        "_blocks",
         "_canonical",
         "_layers",
         "_layout",
         "_num_blocks",
         "_spec",
         "_stacked",
+        "_stacked_blocks",
     )
 
     def __init__(
         self,
         spec: KVSpec,
         num_blocks: int,
-        block_size: int = BLOCK_SIZE,
+        block_size: int | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        if block_size is None:
+            block_size = spec.block_size or BLOCK_SIZE
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
             )
+        dtype = torch_dtype(spec.dtype)
         layout: PageLayout = "NSD" if spec.layout == "LTD" else "KNSHD"
-        shape = (spec.num_layers, *_expected_shape(layout, spec, num_blocks, block_size))
-        # zeros, not empty: the first touch of every page happens now, not mid-request.
-        whole = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=device)
+        if spec.paged:  # NHSC pages whose blocks are stored in the chunk's block order
+            layout, order = "NHSC", _BLOCK_ORDER[spec.layout]
+            logical = _expected_shape(layout, spec, num_blocks, block_size)
+            stored = torch.zeros(
+                (spec.num_layers, *(logical[a] for a in order)), dtype=dtype, device=device
+            )
+            whole = stored.permute(0, *(1 + order.index(a) for a in range(4)))
+        else:
+            shape = (spec.num_layers, *_expected_shape(layout, spec, num_blocks, block_size))
+            # zeros, not empty: the first touch of every page happens now, not mid-request.
+            whole = torch.zeros(shape, dtype=dtype, device=device)
         self._setup(spec, list(whole.unbind(0)), layout, block_size)
 
     @classmethod
@@ -241,7 +264,8 @@ class PagedKVCache:
 
         ``layout`` is detected from the shapes when None; ``block_size`` (optional)
         is checked against them and settles ambiguous shapes. Raises ``ValueError``
-        for layouts this module does not support, mixed shapes, dtypes or devices.
+        for layouts this module does not support, mixed shapes, dtypes or devices, and
+        for a paged spec unless the pages are NHSC of ``spec.block_size`` slots.
         """
         if len(layers) != spec.num_layers:
             raise ValueError(f"{len(layers)} layer tensors for a {spec.num_layers}-layer spec")
@@ -271,6 +295,8 @@ class PagedKVCache:
     def _setup(
         self, spec: KVSpec, layers: list[torch.Tensor], layout: PageLayout, block_size: int
     ) -> None:
+        if spec.paged:
+            _check_paged(spec, layout, block_size)
         self._spec = spec
         self._layers = layers
         self._layout = layout
@@ -278,6 +304,9 @@ class PagedKVCache:
         self._num_blocks = layers[0].shape[_block_axes(layout)[0]]
         self._canonical = [_canonical(t, layout, _kv_pairs(spec)) for t in layers]
         self._stacked = _stack(self._canonical)
+        order = _BLOCK_ORDER.get(spec.layout)
+        self._blocks = [t.permute(order) for t in layers] if order else []
+        self._stacked_blocks = _stack(self._blocks) if order else None
 
     @property
     def spec(self) -> KVSpec:
@@ -321,6 +350,20 @@ class PagedKVCache:
         layers do not share one evenly strided storage."""
         return self._stacked
 
+    @property
+    def stacked_blocks(self) -> torch.Tensor | None:
+        """For a paged spec, all layers' :meth:`blocks` as one (L, N, ..., C) view, or
+        None (also when the layers do not share one evenly strided storage)."""
+        return self._stacked_blocks
+
+    def blocks(self, index: int) -> torch.Tensor:
+        """Layer ``index`` in a paged spec's block order, ``(N, H, S, C)`` for ``LBHSC``
+        or ``(N, S, H, C)`` for ``LBSHC`` (a view): what the chunk's ``(L, B, ..., C)``
+        holds per layer, block for block. ValueError for a spec of a token layout."""
+        if not self._blocks:
+            raise ValueError(f"block views are for paged chunk layouts, not {self._spec.layout}")
+        return self._blocks[index]
+
     def layer(self, index: int) -> torch.Tensor:
         """Layer ``index`` in its own layout: what the attention kernel reads."""
         return self._layers[index]
@@ -331,16 +374,19 @@ class PagedKVCache:
 
     def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
         """View a chunk tensor of this spec (``spec.shape(T)``, this dtype, any device or
-        strides) as (L, K, T, H, D), the chunk's side of the canonical view."""
+        strides) as (L, K, T, H, D), the chunk's side of the canonical view; a paged
+        chunk as itself, (L, B, ..., C), the side of :meth:`blocks`."""
         spec = self._spec
         shape = tuple(chunk.shape)
-        num_tokens = shape[spec.token_axis] if len(shape) == len(spec.layout) else 0
-        if num_tokens < 1 or shape != spec.shape(num_tokens) or chunk.dtype != self.dtype:
+        num_tokens = spec.tokens_of(shape) or 0
+        if num_tokens < 1 or chunk.dtype != self.dtype:
+            count = shape[spec.token_axis] if len(shape) == len(spec.layout) else 1
+            example = spec.shape(max(count, 1) * (spec.block_size if spec.paged else 1))
             raise ValueError(
-                f"chunk is {chunk.dtype}{list(shape)}; these pages need "
-                f"{self.dtype}{list(spec.shape(max(num_tokens, 1)))} ({spec.layout}, T >= 1)"
+                f"chunk is {chunk.dtype}{list(shape)}; these pages need {self.dtype}"
+                f"{list(example)} ({spec.layout}, axis {spec.token_axis} >= 1)"
             )
-        if spec.layout == "LKTHD":
+        if spec.layout == "LKTHD" or spec.paged:
             return chunk
         if spec.layout == "KLTHD":
             return chunk.transpose(0, 1)

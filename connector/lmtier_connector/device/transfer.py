@@ -1,24 +1,32 @@
 """The transfer engine: moves KV between device pages and chunk buffers.
 
 A chunk is the KV of up to ``chunk_size`` consecutive tokens of one request, for every
-layer, in the spec's layout (``LKTHD``: ``(L, 2, T, H, D)``); it usually lives in the
-payload region of a host pool slab. Its tokens sit in a *run* of blocks, the slice of
-the request's block table that covers them: ``ceil(T / block_size)`` blocks, the last
-one partly filled when ``T`` is not a multiple of the block size.
+layer, in the spec's layout (``LKTHD``: ``(L, 2, T, H, D)``; a paged layout, ``LBHSC``
+``(L, B, H, S, C)`` or ``LBSHC`` ``(L, B, S, H, C)``: whole blocks); it usually lives in
+the payload region of a host pool slab. Its tokens sit in a *run* of blocks, the slice
+of the request's block table that covers them: ``ceil(T / block_size)`` blocks, the last
+one partly filled when ``T`` is not a multiple of the block size (never, for a paged
+layout).
 
-**Formulation.** Pages are seen canonically as ``(..., K, N, S, H, D)`` (see
-:mod:`lmtier_connector.device.paged_kv`), the chunk as ``(..., K, T, H, D)``, with an optional
-leading layer axis. Splitting the chunk's token axis into ``(blocks, S)`` is a view, so
+**Formulation.** Token-layout chunks: pages are seen canonically as ``(..., K, N, S, H,
+D)`` (see :mod:`lmtier_connector.device.paged_kv`), the chunk as ``(..., K, T, H, D)``,
+with an optional leading layer axis; splitting the chunk's token axis into ``(blocks,
+S)`` is a view. Paged chunks: pages are seen through their block views ``(..., N, H, S,
+C)`` (or ``(..., N, S, H, C)``), the chunk as itself, ``(..., B, H, S, C)``: the same
+blocks in the same order, so a save or a load is a block copy, no transpose. Then
 
 * gather  = ``index_select(pages, block axis, run, out=chunk viewed as blocks)``
 * scatter = ``pages.index_copy_(block axis, run, chunk viewed as blocks)``
 
 one op for all layers and the full blocks (one per layer when the layers do not share
-a storage; a slice copy when the ids are consecutive), plus one copy of the first
-``T mod S`` slots of a partly filled last block, whose other slots are never touched.
-No loop over tokens or blocks. Copies act on same-width integer views, so every dtype
-moves bit-exactly, float8 included. Across devices, gather picks the blocks on the
-device and crosses the bus once; scatter crosses it once and places them there.
+a storage; a slice copy when the ids are consecutive; on CPU, where torch's
+``index_copy_`` moves one element at a time, an assignment through numpy's advanced
+indexing: :mod:`lmtier_connector.device.page_copy`), plus, for a token
+layout, one copy of the first ``T mod S`` slots of a partly filled last block, whose
+other slots are never touched. No loop over tokens or blocks. Copies act on same-width
+integer views, so every dtype moves bit-exactly, float8 included. Across devices, gather
+picks the blocks on the device and crosses the bus once; scatter crosses it once and
+places them there.
 
 **Streams and events (CUDA; CPU runs the same calls synchronously).** A
 :class:`TransferEngine` owns two side streams. ``start_load`` enqueues, layer by
@@ -42,7 +50,8 @@ must not be rewritten, and the slabs must not be reused, until the handle is don
 (vLLM holds the blocks of a request whose save is in flight).
 
 Host buffers on the CUDA path must be pinned (pageable copies would make the host wait)
-and layer-major (``LKTHD`` or ``LTD``: one contiguous copy per chunk and layer);
+and layer-major (``LKTHD``, ``LTD``, ``LBHSC``, ``LBSHC``: one contiguous copy per chunk
+and layer);
 anything else is a ``ValueError``, and :func:`gather` / :func:`scatter` remain for it.
 """
 
@@ -56,7 +65,8 @@ import torch
 from lmtier import SlabHandle
 from lmtier.chunks.format import ChunkMeta, DecodedChunk
 from lmtier.kv_spec import chunk_tensor, payload_tensor, seal_slab
-from lmtier_connector.device.paged_kv import PagedKVCache, as_3d, bit_view, split_tokens
+from lmtier_connector.device.page_copy import bit_view, read_blocks, split_tokens, write_blocks
+from lmtier_connector.device.paged_kv import PagedKVCache
 
 __all__ = [
     "BlockIds",
@@ -85,6 +95,7 @@ class _Run:
     tail: int  # tokens in the last, partly filled block; 0 when there is none
     tail_block: int  # that block's id (meaningful only when tail > 0)
     first: int | None  # the first id when the ids are consecutive: a slice replaces indexing
+    paged: bool  # a paged-layout chunk: the chunk view is already the blocks, no tail
 
 
 def _make_runs(
@@ -110,8 +121,8 @@ def _make_runs(
     for ids, n in zip(lists, token_counts, strict=True):
         full, tail = divmod(n, pages.block_size)
         consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
-        first = ids[0] if consecutive else None
-        runs.append(_Run(flat[start : start + len(ids)], n, full, tail, ids[-1], first))
+        first, paged = (ids[0] if consecutive else None), pages.spec.paged
+        runs.append(_Run(flat[start : start + len(ids)], n, full, tail, ids[-1], first, paged))
         start += len(ids)
     return runs
 
@@ -120,72 +131,74 @@ def _as_tensor(chunk: ChunkSource) -> torch.Tensor:
     return chunk_tensor(chunk) if isinstance(chunk, DecodedChunk) else chunk
 
 
-def _read_blocks(pages: torch.Tensor, run: _Run, blocks: torch.Tensor) -> None:
-    """``blocks`` (..., F, S, H, D) <- the run's F full blocks of ``pages``; one op."""
-    ids = run.ids[: run.num_full]
-    if run.first is not None:
-        blocks.copy_(pages.narrow(-4, run.first, run.num_full))
-        return
-    pages_3d, blocks_3d = as_3d(pages), as_3d(blocks)
-    if pages_3d is not None and blocks_3d is not None:
-        torch.index_select(pages_3d, 1, ids, out=blocks_3d)
-    else:
-        torch.index_select(pages, -4, ids, out=blocks)
+def _views(
+    pages: PagedKVCache, chunks: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The chunks' views on the chunk side (:meth:`PagedKVCache.chunk_view`, which checks
+    them), and how many tokens each holds."""
+    views = [pages.chunk_view(chunk) for chunk in chunks]
+    return views, [pages.spec.tokens_of(chunk.shape) or 0 for chunk in chunks]
 
 
-def _write_blocks(pages: torch.Tensor, run: _Run, blocks: torch.Tensor) -> None:
-    """The run's F full blocks of ``pages`` <- ``blocks`` (..., F, S, H, D); one op."""
-    ids = run.ids[: run.num_full]
-    if run.first is not None:
-        pages.narrow(-4, run.first, run.num_full).copy_(blocks)
-        return
-    pages_3d, blocks_3d = as_3d(pages), as_3d(blocks)
-    if pages_3d is not None and blocks_3d is not None:
-        pages_3d.index_copy_(1, ids, blocks_3d)
-    else:
-        pages.index_copy_(-4, ids, blocks)
+def _layer(pages: PagedKVCache, layer: int) -> torch.Tensor:
+    """The pages' side of one layer: its block view for a paged spec, else canonical."""
+    return pages.blocks(layer) if pages.spec.paged else pages.canonical(layer)
+
+
+def _chunk_blocks(chunk: torch.Tensor, run: _Run, slots: int) -> torch.Tensor:
+    """The run's full blocks on the chunk side: a paged chunk itself, else its first
+    ``F * S`` tokens split into (F, S)."""
+    if run.paged:
+        return chunk
+    return split_tokens(chunk[..., : run.num_full * slots, :, :], run.num_full, slots)
 
 
 def _gather_run(pages: torch.Tensor, run: _Run, out: torch.Tensor, non_blocking: bool) -> None:
-    """Canonical pages (..., K, N, S, H, D) -> chunk (..., K, T, H, D)."""
+    """Pages (..., K, N, S, H, D) -> chunk (..., K, T, H, D); paged: the block views
+    (..., N, X, Y, C) -> chunk (..., B, X, Y, C)."""
     src, dst = bit_view(pages), bit_view(out)
-    slots = src.shape[-3]
     if dst.device != src.device:
-        picked = src.index_select(-4, run.ids).flatten(-4, -3)  # contiguous, on the device
-        dst.copy_(picked[..., : run.num_tokens, :, :], non_blocking=non_blocking)
+        picked = src.index_select(-4, run.ids)  # contiguous, on the device
+        if not run.paged:
+            picked = picked.flatten(-4, -3)[..., : run.num_tokens, :, :]
+        dst.copy_(picked, non_blocking=non_blocking)
         return
-    full = run.num_full * slots
+    slots = src.shape[-3]
     if run.num_full:
-        _read_blocks(src, run, split_tokens(dst[..., :full, :, :], run.num_full, slots))
+        read_blocks(src, run.ids[: run.num_full], run.first, _chunk_blocks(dst, run, slots))
     if run.tail:
+        full = run.num_full * slots
         dst[..., full:, :, :].copy_(src.select(-4, run.tail_block)[..., : run.tail, :, :])
 
 
 def _scatter_run(chunk: torch.Tensor, pages: torch.Tensor, run: _Run, non_blocking: bool) -> None:
-    """Chunk (..., K, T, H, D) -> canonical pages (..., K, N, S, H, D)."""
+    """Chunk (..., K, T, H, D) -> pages (..., K, N, S, H, D); paged: chunk (..., B, X, Y,
+    C) -> the block views (..., N, X, Y, C)."""
     dst = bit_view(pages)
     src = bit_view(chunk).to(dst.device, non_blocking=non_blocking)  # no-op on one device
     slots = dst.shape[-3]
-    full = run.num_full * slots
     if run.num_full:
-        _write_blocks(dst, run, split_tokens(src[..., :full, :, :], run.num_full, slots))
+        write_blocks(dst, run.ids[: run.num_full], run.first, _chunk_blocks(src, run, slots))
     if run.tail:
+        full = run.num_full * slots
         dst.select(-4, run.tail_block)[..., : run.tail, :, :].copy_(src[..., full:, :, :])
 
 
 def _whole(pages: PagedKVCache, run: _Run, chunk: torch.Tensor, *, save: bool) -> None:
     """Every layer of one chunk, synchronously: one op for all when the pages are stacked.
 
-    A scatter into stacked pages goes K and V separately: torch's strided copy is
-    ~1.8x faster on the two halves than on the whole (measured on vLLM's page layout,
-    where heads come before tokens); gathers gain nothing from the split.
+    A token-layout scatter into stacked pages goes K and V separately: torch's strided
+    copy is ~1.8x faster on the two halves than on the whole (measured on vLLM's page
+    layout, where heads come before tokens); gathers gain nothing from the split, nor
+    do paged chunks, whose blocks are copied as they are stored.
     """
-    if pages.stacked is not None and not save:
-        pairs = [(pages.stacked[:, k], chunk[:, k]) for k in range(chunk.shape[1])]
-    elif pages.stacked is not None:
-        pairs = [(pages.stacked, chunk)]
+    stacked = pages.stacked_blocks if run.paged else pages.stacked
+    if stacked is not None and not save and not run.paged:
+        pairs = [(stacked[:, k], chunk[:, k]) for k in range(chunk.shape[1])]
+    elif stacked is not None:
+        pairs = [(stacked, chunk)]
     else:
-        pairs = [(pages.canonical(layer), chunk[layer]) for layer in range(pages.num_layers)]
+        pairs = [(_layer(pages, layer), chunk[layer]) for layer in range(pages.num_layers)]
     for page_view, chunk_view in pairs:
         if save:
             _gather_run(page_view, run, chunk_view, non_blocking=False)
@@ -205,8 +218,8 @@ def gather(pages: PagedKVCache, block_ids: BlockIds, out: torch.Tensor) -> None:
     ``block_ids`` holds ``ceil(T / block_size)`` ids in token order; only the first
     ``T`` slots are read. Synchronous: ``out`` is complete on return.
     """
-    chunk = pages.chunk_view(out)
-    (run,) = _make_runs(pages, [block_ids], [chunk.shape[-3]], unique=False)
+    (chunk,), counts = _views(pages, [out])
+    (run,) = _make_runs(pages, [block_ids], counts, unique=False)
     _whole(pages, run, chunk, save=True)
 
 
@@ -215,8 +228,8 @@ def scatter(chunk: torch.Tensor, pages: PagedKVCache, block_ids: BlockIds) -> No
 
     Slots past ``T`` in a partly filled last block keep their contents. Synchronous.
     """
-    view = pages.chunk_view(chunk)
-    (run,) = _make_runs(pages, [block_ids], [view.shape[-3]], unique=True)
+    (view,), counts = _views(pages, [chunk])
+    (run,) = _make_runs(pages, [block_ids], counts, unique=True)
     _whole(pages, run, view, save=False)
 
 
@@ -308,13 +321,13 @@ class SaveHandle:
         pages, stream = self._pages, self._stream
         if stream is None:
             for run, out in zip(self._runs, self._outs, strict=True):
-                _gather_run(pages.canonical(layer), run, out[layer], non_blocking=False)
+                _gather_run(_layer(pages, layer), run, out[layer], non_blocking=False)
             return
         # CUDA path: the save stream waits for the layer's KV, then gathers + copies D2H.
         stream.wait_stream(torch.cuda.current_stream(pages.device))
         with torch.cuda.stream(stream):
             for run, out in zip(self._runs, self._outs, strict=True):
-                _gather_run(pages.canonical(layer), run, out[layer], non_blocking=True)
+                _gather_run(_layer(pages, layer), run, out[layer], non_blocking=True)
             self._last_event = _record(stream, self._timing)
 
     def save_all(self) -> None:
@@ -374,8 +387,7 @@ class TransferEngine:
     ) -> LoadHandle:
         """Start loading ``chunks[j]`` into the blocks ``block_ids[j]`` (distinct over all j)."""
         pages, stream = self._pages, self._load_stream
-        views = [pages.chunk_view(_as_tensor(chunk)) for chunk in chunks]
-        counts = [view.shape[-3] for view in views]
+        views, counts = _views(pages, [_as_tensor(chunk) for chunk in chunks])
         if stream is None:
             runs = _make_runs(pages, block_ids, counts, unique=True)
             for view, run in zip(views, runs, strict=True):
@@ -389,7 +401,7 @@ class TransferEngine:
             runs = _make_runs(pages, block_ids, counts, unique=True)
             for layer in range(pages.num_layers):
                 for view, run in zip(views, runs, strict=True):
-                    _scatter_run(view[layer], pages.canonical(layer), run, non_blocking=True)
+                    _scatter_run(view[layer], _layer(pages, layer), run, non_blocking=True)
                 events.append(_record(stream, self._timing))
         return LoadHandle(pages.num_layers, pages.device, tuple(events), keep=(views, runs))
 
@@ -398,8 +410,7 @@ class TransferEngine:
         e.g. :func:`lmtier.kv_spec.payload_tensor`); nothing is copied until
         ``save_layer``/``save_all``."""
         pages, stream = self._pages, self._save_stream
-        views = [pages.chunk_view(out) for out in outs]
-        counts = [view.shape[-3] for view in views]
+        views, counts = _views(pages, outs)
         if stream is None:
             runs = _make_runs(pages, block_ids, counts, unique=False)
             return SaveHandle(pages, runs, views, None, self._timing)
@@ -421,6 +432,6 @@ class TransferEngine:
             ):
                 raise ValueError(
                     "async transfers need pinned, layer-major host chunks (HostPool(pin=True); "
-                    f"LKTHD or LTD), got {self._pages.spec.layout} with "
+                    f"LKTHD, LTD, LBHSC or LBSHC), got {self._pages.spec.layout} with "
                     f"pinned={view.is_pinned()}; use gather()/scatter() for these"
                 )

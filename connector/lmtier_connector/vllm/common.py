@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, get_args
 
 from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -25,6 +25,7 @@ from lmtier.errors import ConfigError
 
 __all__ = [
     "AsyncLoads",
+    "ChunkLayout",
     "ChunkRefs",
     "ConnectorSettings",
     "LMTierConnectorMetadata",
@@ -48,6 +49,11 @@ class SidecarSettings:
     shared_memory: bool = True
 
 
+ChunkLayout = Literal["page", "LKTHD"]
+"""How chunks hold KV: ``page``, in the engine's page order (whole blocks; a save and a
+load are block copies), or ``LKTHD`` (tokens before heads: the layout the HF adapter
+and ``lmtier demo`` store, so the two can share chunks; every copy is a transpose)."""
+
 AsyncLoads = Literal["auto", "always", "never"]
 """When loads run in the background (vLLM keeps the request waiting meanwhile):
 ``auto`` when some chunk of the hit lies below host memory (disk, Redis, S3, a
@@ -66,6 +72,7 @@ class ConnectorSettings:
     ``sidecar`` (``unix:///path.sock`` or ``host:port``): use that ``lmtier serve``
     instead of an embedded cache, with ``sidecar_token`` (or the first line of
     ``sidecar_token_file``) and ``sidecar_shared_memory`` (default true).
+    ``chunk_layout`` (:data:`ChunkLayout`, default ``page``).
     ``async_loads`` (:data:`AsyncLoads`, default ``auto``). ``lookup_wait_ms``: how
     long a lookup that needs a remote tier may hold the scheduler (default 2 ms);
     past it vLLM is told "not yet" and asks again next step, when the answer that
@@ -79,12 +86,13 @@ class ConnectorSettings:
     sidecar: SidecarSettings | None = None
     async_loads: AsyncLoads = "auto"
     lookup_wait_ms: float = 2.0
+    chunk_layout: ChunkLayout = "page"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
         known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
-        known |= {"async_loads", "lookup_wait_ms"}
+        known |= {"async_loads", "lookup_wait_ms", "chunk_layout"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -101,17 +109,19 @@ class ConnectorSettings:
             vllm_block_hashes=bool(extra.get("vllm_block_hashes", True)),
             save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
             sidecar=_sidecar_settings(extra),
-            async_loads=_async_loads(extra.get("async_loads", "auto")),
+            async_loads=_choice(extra.get("async_loads", "auto"), "async_loads", AsyncLoads),
             lookup_wait_ms=_wait_ms(extra.get("lookup_wait_ms", 2.0)),
+            chunk_layout=_choice(extra.get("chunk_layout", "page"), "chunk_layout", ChunkLayout),
         )
 
 
-def _async_loads(value: object) -> AsyncLoads:
-    if isinstance(value, str) and value in get_args(AsyncLoads):
-        return cast(AsyncLoads, value)
+def _choice(value: object, name: str, choices: Any) -> Any:
+    """``value`` if it is one of the ``Literal`` type ``choices``, else a ConfigError."""
+    allowed = get_args(choices)
+    if isinstance(value, str) and value in allowed:
+        return value
     raise ConfigError(
-        f"kv_connector_extra_config.async_loads must be one of {list(get_args(AsyncLoads))}, "
-        f"got {value!r:.40}"
+        f"kv_connector_extra_config.{name} must be one of {list(allowed)}, got {value!r:.40}"
     )
 
 

@@ -16,6 +16,9 @@ reachable by the workers: a shared tier (disk, Redis, S3), one process, or a sid
 Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
 ``config_path`` (an lmtier YAML file, else ``$LMTIER_CONFIG``), ``config``
 (overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``,
+``chunk_layout`` (``page``: chunks in the pages' own order, so saves and loads are
+block copies; ``LKTHD``: the HF adapter's layout), ``async_loads`` and
+``lookup_wait_ms`` (loads and lookups off the scheduling step),
 ``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
 ``lmtier serve`` through :meth:`lmtier.api.LMTier.connect` instead of opening tiers of
 its own; ``sidecar_token`` or ``sidecar_token_file``, ``sidecar_shared_memory``).
@@ -54,6 +57,7 @@ from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import ConfigError
 from lmtier.kv_spec import KVSpec
 from lmtier_connector.vllm.common import (
+    ChunkLayout,
     ConnectorSettings,
     LMTierConnectorMetadata,
     SidecarSettings,
@@ -79,15 +83,38 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def kv_spec_of(vllm_config: VllmConfig) -> KVSpec:
-    """The KV geometry of one worker: its layers, its share of the KV heads, its dtype."""
+def kv_spec_of(
+    vllm_config: VllmConfig,
+    chunk_layout: ChunkLayout = "LKTHD",
+    kv_cache_config: KVCacheConfig | None = None,
+) -> KVSpec:
+    """The KV geometry of one worker: its layers, its share of the KV heads, its dtype,
+    and how its chunks hold KV (``chunk_layout``; MLA is always ``LTD``, which already
+    is its pages' token-major order).
+
+    ``page`` follows the physical order vLLM resolved for its pages
+    (``KVCacheConfig.kv_cache_layout``, else ``CacheConfig.kv_cache_layout``, else
+    ``$VLLM_KV_CACHE_LAYOUT``): heads before slots (HND: ``LBHNC``, ``BLHNC``,
+    ``LHBNC``, ``BHLNC``) gives ``LBHSC`` chunks, slots before heads (NHD) ``LBSHC``.
+    Both halves read the same config, so they agree; where it is unknown, ``LBHSC`` (a
+    different physical order is still copied right, with strided copies).
+    """
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     dtype = get_kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
     name = str(dtype).removeprefix("torch.")
     layers = model.get_num_layers(parallel)
     if model.use_mla:
         return KVSpec(layers, 1, model.get_head_size(), name, layout="LTD")
-    return KVSpec(layers, model.get_num_kv_heads(parallel), model.get_head_size(), name)
+    heads = model.get_num_kv_heads(parallel)
+    if chunk_layout != "page":
+        return KVSpec(layers, heads, model.get_head_size(), name)
+    order = (kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) or (
+        vllm_config.cache_config.kv_cache_layout or os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    )
+    slots_first = order is not None and order.find("N") < order.find("H")
+    layout = "LBSHC" if slots_first else "LBHSC"
+    block_size = vllm_config.cache_config.block_size
+    return KVSpec(layers, heads, model.get_head_size(), name, layout=layout, block_size=block_size)
 
 
 def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
@@ -216,7 +243,7 @@ class LMTierConnector(KVConnectorBase_V1):
                 f"lmtier chunk_size {config.chunk_size} must be a multiple of vLLM's "
                 f"block size {block_size}"
             )
-        spec = kv_spec_of(vllm_config)
+        spec = kv_spec_of(vllm_config, settings.chunk_layout, kv_cache_config)
         mla = spec.layout == "LTD"
         tp_size = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
         rank = tp_rank_of(vllm_config) if role == KVConnectorRole.WORKER else 0

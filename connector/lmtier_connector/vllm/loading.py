@@ -120,14 +120,16 @@ class Loader:
         except Exception:  # a failed load is a recompute, never a failed step
             logger.exception("lmtier: load of request %s failed", load.req_id)
             got = []
-        axis = self.cache.kv_spec.token_axis
+        spec = self.cache.kv_spec
         device = self._engine().pages.device
         for index, chunk in enumerate(got):
             base = (load.refs.first_chunk + index) * size
             start = max(base, load.start_token)
-            tensor = chunk_tensor(chunk.chunk).narrow(axis, start - base, base + size - start)
-            if start != base and device.type == "cuda":
-                # Async copies need pinned, layer-major host chunks; a part of one is neither.
+            whole = chunk_tensor(chunk.chunk)
+            tensor = spec.narrow_tokens(whole, start - base, base + size - start)
+            if start != base and device.type == "cuda" and not spec.paged:
+                # Async copies need pinned, layer-major host chunks; a part of a token-
+                # layout chunk is neither (a paged chunk narrows by whole blocks: it is).
                 staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 tensor = staged.copy_(tensor)
             chunks.append(tensor)

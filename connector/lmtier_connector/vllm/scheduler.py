@@ -1,40 +1,39 @@
 """The scheduler half of the vLLM connector: lookups, load and save plans, KV events.
 
 Lookups are side-effect free: keys are bound from vLLM's own block hashes
-(``request.block_hashes``, no rehashing) or from lmtier's chain over the tokens, and
-the tiers answer how many leading chunks they hold. The hit counts from vLLM's
-block-aligned local hit (``num_computed_tokens``): the walk starts at the chunk
-holding it, the result is whole chunks, and it never covers the last prompt token
-(its logits are the point of the prefill). The tiers that answer without I/O are
-asked in the scheduler's thread; a lookup that needs a remote tier runs on a
-lookup thread, and when it takes longer than ``lookup_wait_ms`` vLLM is told "not
-yet" (``None``): the request stays waiting and the answer is picked up at vLLM's
-next call, so a slow Redis or S3 never stalls the other requests' steps.
+(``request.block_hashes``, no rehashing) or from lmtier's chain over the tokens, and the
+tiers answer how many leading chunks they hold. The hit counts from vLLM's block-aligned
+local hit (``num_computed_tokens``): the walk starts at the chunk holding it, the result
+is whole chunks, and it never covers the last prompt token (its logits are the point of
+the prefill). A lookup that the tiers answer without I/O (host memory, the disk index)
+runs in the scheduler's thread; one that needs a remote tier (Redis, S3, a peer, a
+sidecar) runs on a lookup thread, and when it takes longer than ``lookup_wait_ms`` vLLM
+is told "not yet" (``None``): the request stays waiting and the answer is picked up at
+vLLM's next call, so a slow Redis or S3 never stalls the other requests' steps.
 
-Loads are synchronous (inside the step that schedules the request) when every chunk
-of the hit is in host memory, and asynchronous otherwise (``async_loads``): vLLM
-allocates the blocks, keeps the request in ``WAITING_FOR_REMOTE_KVS``, and the plan
-goes to the workers in the same step's metadata; they read and scatter in the
-background and report the request through ``get_finished``.
+Loads are synchronous (inside the step that schedules the request) when every chunk of
+the hit is in host memory, and asynchronous otherwise (``async_loads``): vLLM allocates
+the blocks, keeps the request in ``WAITING_FOR_REMOTE_KVS``, and the plan goes to the
+workers in the same step's metadata; they read and scatter in the background and report
+the request through ``get_finished``.
 
-Saves are planned per step: when a step completes a chunk of the prompt (chunked
-prefill included), the chunk's blocks go to the workers in that step's metadata, so
-the worker gathers them during the same forward pass that writes them. A request
-that ever had a save returns True from :meth:`request_finished`; the workers report
-it through ``get_finished`` once its saves are in the tiers, and only then does vLLM
-free its blocks.
+Saves are planned per step: when a step completes a chunk of the prompt (chunked prefill
+included), the chunk's blocks go to the workers in that step's metadata, so the worker
+gathers them during the same forward pass that writes them. A request that ever had a
+save returns True from :meth:`request_finished`; the workers report it through
+``get_finished`` once its saves are in the tiers, and only then does vLLM free its
+blocks.
 
-KV events are announced when chunks are *stored*, not when they are planned: each
-save carries the ``BlockStored`` of its chunks, the workers return per-chunk slices
-of it once the chunks are in their tiers (``get_kv_connector_kv_cache_events``),
-vLLM hands them here (:meth:`SchedulerHalf.add_worker_events`), and an event is
-published once every saving rank has reported it (``tp_size`` ranks; one for MLA).
-A chunk announced with medium CPU that a worker's CPU tier evicts comes back the same
-way as a ``BlockRemoved(medium="CPU")``; that one is published at the *first* rank's
-report (a chunk missing one rank's shard cannot be loaded), the other ranks' copies
-of it are absorbed. Over a sidecar no removal ever comes (the workers cannot see its
-evictions), and the medium is the connector config's (``cpu.enabled``): set it as
-the sidecar's is.
+KV events are announced when chunks are *stored*, not when they are planned: each save
+carries the ``BlockStored`` of its chunks, the workers return per-chunk slices of it
+once the chunks are in their tiers (``get_kv_connector_kv_cache_events``), vLLM hands
+them here (:meth:`SchedulerHalf.add_worker_events`), and an event is published once
+every saving rank has reported it (``tp_size`` ranks; one for MLA). A chunk announced
+with medium CPU that a worker's CPU tier evicts comes back the same way as a
+``BlockRemoved(medium="CPU")``; that one is published at the *first* rank's report (a
+chunk missing one rank's shard cannot be loaded), the other ranks' copies of it are
+absorbed. Over a sidecar no removal ever comes (the workers cannot see its evictions),
+and the medium is the connector config's (``cpu.enabled``): set it as the sidecar's is.
 """
 
 from __future__ import annotations
@@ -55,9 +54,9 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from lmtier import Lookup
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
-from lmtier.storage.lookup import Lookup
 from lmtier_connector.vllm.common import (
     ChunkRefs,
     ConnectorSettings,
@@ -198,9 +197,9 @@ class SchedulerHalf:
                 self._lookups[req_id] = pending
                 return None
             return _result(pending.future)
-        local = self.cache.lookup_keys(keys, local_only=True)
-        if local.num_chunks == len(keys):
-            return local
+        found = self.cache.lookup_keys_now(keys)
+        if found is not None:  # the tiers it needed answered from memory
+            return found
         if self._lookup_thread is None:
             self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="lmtier-lookup")
         future = self._lookup_thread.submit(self.cache.lookup_keys, keys)

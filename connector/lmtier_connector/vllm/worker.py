@@ -49,6 +49,7 @@ from lmtier import SlabHandle
 from lmtier.api import LMTier
 from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import ConfigError
 from lmtier.kv_spec import KVSpec, payload_tensor
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import SaveHandle, TransferEngine
@@ -134,6 +135,12 @@ class WorkerHalf:
             raise ValueError(
                 f"vLLM block size {self.block_size} is not a multiple of the KV cache's "
                 f"kernel block size {pages.block_size}"
+            )
+        if self.spec.paged and pages.block_size != self.spec.block_size:
+            raise ConfigError(
+                f"chunk_layout 'page' stores whole blocks of {self.spec.block_size} tokens, "
+                f"but this attention backend's kernel blocks hold {pages.block_size}: set "
+                "kv_connector_extra_config.chunk_layout to 'LKTHD'"
             )
         self._kernel_blocks = self.block_size // pages.block_size
         self._layer_index = {name: index for index, name in enumerate(names)}

@@ -143,6 +143,10 @@ def test_a_principal_may_commit_into_namespaces_it_opened_only() -> None:
         ({"tp_size": 2, "tp_rank": 2}, "tp_rank"),
         ({"kv_dtype": "float128"}, "dtype"),
         ({"kv_layout": "XYZ"}, "layout"),
+        ({"kv_layout": "LBHSC"}, "block_size"),
+        ({"kv_layout": "LBHSC", "kv_block_size": 3}, "does not divide chunk_size"),
+        ({"kv_layout": "LBSHC", "kv_block_size": 32}, "does not divide chunk_size"),
+        ({"kv_block_size": 16}, "block_size"),
     ],
 )
 def test_bad_namespaces_are_refused(changes: dict[str, object], message: str) -> None:
@@ -154,6 +158,16 @@ def test_the_wire_namespace_keys_chunks_like_the_embedded_facade() -> None:
     built = space(model_revision="r1", cache_salt="t", tp_size=2, tp_rank=1)
     assert SessionSpace.from_wire(to_wire(built.namespace)).digest == built.digest
     assert space().digest != space(cache_salt="t").digest
+
+
+def test_a_paged_namespace_carries_its_block_size_both_ways() -> None:
+    built = space(kv_layout="LBSHC", kv_block_size=8, cache_salt="t")
+    assert (built.spec.layout, built.spec.block_size) == ("LBSHC", 8)
+    assert built.namespace.kv_block_size == 8 and to_wire(built.namespace).kv_block_size == 8
+    assert SessionSpace.from_wire(to_wire(built.namespace)).digest == built.digest
+    assert built.geometry.shape == (2, 2, 8, 2, 16)  # L, B, S, H, C of 16 tokens
+    assert built.digest != space(kv_layout="LBSHC", kv_block_size=16, cache_salt="t").digest
+    assert to_wire(space().namespace).kv_block_size == 0
 
 
 def test_keys_must_be_whole_and_of_the_session_namespace() -> None:
