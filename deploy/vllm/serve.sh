@@ -10,5 +10,6 @@ exec vllm serve "$model" \
   --kv-transfer-config "{\"kv_connector\":\"LMTierConnector\",
     \"kv_connector_module_path\":\"lmtier_connector.vllm\",
     \"kv_role\":\"kv_both\",
+    \"kv_load_failure_policy\":\"recompute\",
     \"kv_connector_extra_config\":{\"config_path\":\"$config\",\"vllm_block_hashes\":true}}" \
   "$@"
