@@ -154,6 +154,28 @@ def test_a_disk_hit_loads_in_the_background_while_the_request_waits(
     assert reader.worker.get_block_ids_with_load_errors() == set()
 
 
+def test_a_request_aborted_during_its_load_frees_its_blocks_once_the_load_is_done(
+    model_dir: Path, tmp_path: Path, engines: list[Engine]
+) -> None:
+    save_prompt(engine(engines, model_dir, lmtier_overrides(tmp_path)))
+    reader = engine(engines, model_dir, lmtier_overrides(tmp_path, cpu={"capacity_bytes": "32MiB"}))
+    pool = reader.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    request = reader.add("b", [*PROMPT, 5])
+    gate = threading.Event()
+    reader.worker._work().loader._thread.submit(gate.wait)  # the load stays in flight
+    reader.run_step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    finish(reader, "b")  # the client went away
+    reader.run_step()
+    assert pool.get_num_free_blocks() < free  # the load may still write them: held
+    gate.set()
+    reader.worker._work().loader.wait()
+    out, _ = reader.run_step()  # the worker reports the load; vLLM frees the blocks
+    assert out.num_scheduled_tokens == {}
+    assert pool.get_num_free_blocks() == free
+
+
 def test_host_memory_hits_stay_synchronous_and_never_makes_every_load_so(
     model_dir: Path, tmp_path: Path, engines: list[Engine]
 ) -> None:
