@@ -15,7 +15,10 @@ Every operation is one Lua script per batch (one round trip, atomic):
 
 * **lookup**: for each key, its owner and the owner's address, stopping at the first
   key without a live owner (``contains`` needs the leading run only), or for every
-  key (a read);
+  key (a read). The answer is compact, as a reply of many small strings costs more
+  to parse than to make: the distinct live owners once each (id, address), after
+  one string of two bytes per key, big-endian, the key's owner's place in that list
+  (from 1; 0: none);
 * **publish**: a node claims chunks it holds; an entry owned by another live node is
   left alone (the first holder keeps serving it; a node that loaded a chunk from a
   peer does not take it over), one owned by a dead node is taken;
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,29 +62,35 @@ Owner = tuple[str, str]
 """A chunk's holder: (node id, peer address)."""
 
 _LOOKUP = """
-local out = {}
-local addresses = {}
+local found = redis.call('MGET', unpack(KEYS))
 local every = ARGV[2] == '1'
-for i, key in ipairs(KEYS) do
-  local owner = redis.call('GET', key)
-  local address = false
+local out = {''}
+local slots = {}
+local index = {}
+local count = 0
+for i = 1, #KEYS do
+  local owner = found[i]
+  local slot = 0
   if owner then
-    address = addresses[owner]
-    if address == nil then
-      address = redis.call('GET', ARGV[1] .. owner) or false
-      addresses[owner] = address
+    slot = slots[owner]
+    if slot == nil then
+      slot = 0
+      local address = redis.call('GET', ARGV[1] .. owner)
+      if address then
+        count = count + 1
+        slot = count
+        out[#out + 1] = owner
+        out[#out + 1] = address
+      end
+      slots[owner] = slot
     end
   end
-  if address then
-    out[#out + 1] = owner
-    out[#out + 1] = address
-  elseif every then
-    out[#out + 1] = ''
-    out[#out + 1] = ''
-  else
+  if slot == 0 and not every then
     break
   end
+  index[i] = string.char(math.floor(slot / 256), slot % 256)
 end
+out[1] = table.concat(index)
 return out
 """
 
@@ -160,15 +170,17 @@ class PeerDirectory:
         owners: list[Owner | None] = []
         for start in range(0, len(keys), BATCH_KEYS):
             batch = keys[start : start + BATCH_KEYS]
-            flat = await self._run(
+            packed, *pairs = await self._run(
                 "lookup",
                 _LOOKUP,
                 [self.chunk_name(key) for key in batch],
                 [self._node_prefix, "1" if every else "0"],
             )
-            pairs = [(_text(flat[i]), _text(flat[i + 1])) for i in range(0, len(flat), 2)]
-            owners.extend(pair if pair[0] else None for pair in pairs)
-            if not every and len(pairs) < len(batch):
+            table: list[Owner | None] = [None]
+            table += [(_text(pairs[i]), _text(pairs[i + 1])) for i in range(0, len(pairs), 2)]
+            places = struct.unpack(f">{len(packed) // 2}H", packed)
+            owners += [table[place] for place in places]
+            if not every and len(places) < len(batch):
                 break
         return owners
 

@@ -5,8 +5,9 @@ each key, in one script call, and counts the leading keys with a live owner. Rea
 group the keys by owner and stream each group from the owner's ``lmtier.v1.Peer``
 service (:mod:`.fetch`), concurrently, authenticated with a node token. The chunks
 are validated like any tier's (checksums, the key asked for, and a MAC when an
-integrity key is set: the tier is ``shared``), and the StorageManager promotes them
-into this node's CPU and disk tiers.
+integrity key is set: the tier is ``shared``), each as soon as its last piece has
+landed (``_read_checked``), and the StorageManager promotes them into this node's
+CPU and disk tiers.
 
 The tier takes no background writes (write policy ``none``): what it offers other
 nodes is this node's CPU tier, published by :class:`~.publisher.Publisher` once a
@@ -37,9 +38,9 @@ from lmtier.errors import BackendError
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.node import LocalNode
 from lmtier.storage.stats import TierStats
-from lmtier.storage.tier import Buffer, Tier, TierProperties
+from lmtier.storage.tier import Buffer, CheckedRead, Tier, TierProperties
 from lmtier_backends.peer.directory import Owner, PeerDirectory
-from lmtier_backends.peer.fetch import PeerClient
+from lmtier_backends.peer.fetch import Check, PeerClient
 from lmtier_backends.peer.publisher import Publisher
 
 __all__ = ["OWNER_CACHE", "PeerTier"]
@@ -132,47 +133,64 @@ class PeerTier(Tier):
                 owners[i] = owner
         return owners
 
+    async def _read_checked(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
+    ) -> list[int | CheckedRead | None]:
+        """Fetches; each chunk checked (:meth:`check_read`) as its last piece lands,
+        while its bytes are still in the CPU's caches, not after the whole batch."""
+        return await self._fetch(keys, buffers, self.check_read)
+
     async def _read_into(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
     ) -> list[int | None]:
-        sizes: list[int | None] = [None] * len(keys)
+        outcomes = await self._fetch(keys, buffers, None)
+        return [o.size if isinstance(o, CheckedRead) else o for o in outcomes]
+
+    async def _fetch(
+        self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview], check: Check | None
+    ) -> list[int | CheckedRead | None]:
+        """Each key's outcome (:meth:`PeerClient.fetch_into`), fetched from its owner."""
+        sizes: list[int | CheckedRead | None] = [None] * len(keys)
         if not keys:
             return sizes
         groups: dict[str, list[int]] = {}
         for index, owner in enumerate(await self._owners_of(keys)):
             if owner is not None:
                 groups.setdefault(owner[1], []).append(index)
-        batches = [
-            (address, indices[start : start + self.max_keys_per_fetch])
-            for address, indices in groups.items()
-            for start in range(0, len(indices), self.max_keys_per_fetch)
-        ]
+        step = self.max_keys_per_fetch
         failures: list[BackendError] = []
+        fetched = 0
 
         async def fetch(address: str, indices: list[int]) -> None:
-            try:
-                got = await self.client.fetch_into(
-                    address, [keys[i] for i in indices], [buffers[i] for i in indices]
-                )
-            except BackendError as exc:
-                failures.append(exc)
-                self._forget_address(address)
-                return
-            for i, size in zip(indices, got, strict=True):
-                sizes[i] = size
+            # One call after another: two streams from one peer at once share its
+            # connection and CPU, and finish later than one after the other.
+            nonlocal fetched
+            for start in range(0, len(indices), step):
+                batch = indices[start : start + step]
+                try:
+                    got = await self.client.fetch_into(
+                        address, [keys[i] for i in batch], [buffers[i] for i in batch], check
+                    )
+                except BackendError as exc:  # the peer's other keys: misses too
+                    failures.append(exc)
+                    self._forget_address(address)
+                    return
+                fetched += 1
+                for i, size in zip(batch, got, strict=True):
+                    sizes[i] = size
 
         async with asyncio.TaskGroup() as group:
-            for address, indices in batches:
+            for address, indices in groups.items():
                 group.create_task(fetch(address, indices))
         if failures:
-            if len(failures) == len(batches):
+            if not fetched:
                 raise failures[0]
             self.stats.errors += len(failures)
             logger.debug(
-                "%s: %d of %d fetches failed: %s",
+                "%s: %d of %d peers failed: %s",
                 self.name,
                 len(failures),
-                len(batches),
+                len(groups),
                 failures[0],
             )
         return sizes
