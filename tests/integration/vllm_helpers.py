@@ -85,6 +85,13 @@ def lmtier_overrides(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     return config
 
 
+LOOKUP_WAIT_MS = 60_000
+"""The connector's ``lookup_wait_ms`` in these tests unless one sets it: on a loaded
+machine a lookup through Redis or a sidecar can take longer than the 2 ms default, and
+a test that expects a request scheduled in its first step would see "not yet". The
+tests of that answer set it themselves."""
+
+
 def make_vllm_config(
     model_dir: Path,
     extra: dict[str, Any],
@@ -116,7 +123,7 @@ def make_vllm_config(
                 kv_connector="LMTierConnector",
                 kv_connector_module_path="lmtier_connector.vllm",
                 kv_role="kv_both",
-                kv_connector_extra_config=extra,
+                kv_connector_extra_config={"lookup_wait_ms": LOOKUP_WAIT_MS, **extra},
                 # What lmtier's docs advise: a chunk that fails to load is recomputed
                 # (vLLM's default, "fail", fails the request instead).
                 kv_load_failure_policy="recompute",
