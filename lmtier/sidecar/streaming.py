@@ -3,18 +3,22 @@ and out of slabs of its private pool, as :mod:`.pieces` cuts them."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import HandleError
 from lmtier.sidecar.connection import Connection
 from lmtier.sidecar.pieces import PIECE_BYTES, decode_piece, encode_piece, piece_offsets
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["receive_chunks", "send_chunks"]
+__all__ = ["StoreSending", "StoreStreams", "receive_chunks"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +64,126 @@ def receive_chunks(
     return handles[:whole], meta[:whole]
 
 
-def send_chunks(
-    session_id: bytes, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
-) -> Iterator[bytes]:
-    """The pieces of ``StoreStream`` for encoded chunks in slabs: the session in the
-    first, each chunk's key and length in its first."""
-    first = True
-    for key, handle, length in items:
-        view = handle.view
-        offsets, step = piece_offsets(length, PIECE_BYTES)
-        for offset in offsets:
-            data = view[offset : min(offset + step, length)]
-            if offset:
-                yield encode_piece(data, offset)
+class StoreSending:
+    """One ``StoreStream`` call in flight: the pieces of its chunks (filled slabs of
+    the private pool), serialized in grpcio's request thread while the caller copies
+    the next batch. It owns the slabs: each is released once its last piece is
+    serialized (its bytes are in the message then), and whatever is left when the
+    call ends (failed, cancelled, the pool closed) by :meth:`abandon`."""
+
+    def __init__(self, session_id: bytes, items: Sequence[tuple[ChunkKey, SlabHandle, int]]):
+        self._session_id = session_id
+        self._items = list(items)
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self.future: Any = None
+        """The call's grpc future, once :meth:`StoreStreams.start` made it."""
+
+    def pieces(self) -> Iterator[bytes]:
+        """The request messages; each slab is read under the lock, so :meth:`abandon`
+        never releases one mid-copy."""
+        first = True
+        for key, handle, length in self._items:
+            offsets, step = piece_offsets(length, PIECE_BYTES)
+            for offset in offsets:
+                end = min(offset + step, length)
+                with self._lock:
+                    if self._abandoned or handle.released:
+                        return
+                    try:
+                        data = handle.view[offset:end]
+                    except HandleError:  # the client closed its pool: the call is over
+                        return
+                    if offset:
+                        piece = encode_piece(data, offset)
+                    else:
+                        session = self._session_id if first else b""
+                        piece = encode_piece(
+                            data, 0, key=key, total_length=length, session_id=session
+                        )
+                    if end == length:
+                        handle.release()
+                first = False
+                yield piece
+
+    @property
+    def ended(self) -> bool:
+        """Whether the call has ended and given every slab back."""
+        return self._abandoned
+
+    def abandon(self) -> None:
+        """Release every slab not sent yet; the request iterator stops."""
+        with self._lock:
+            self._abandoned = True
+            for _, handle, _ in self._items:
+                if not handle.released:
+                    handle.release()
+
+    def stored(self, connection: Connection) -> int:
+        """Wait for the answer: how many chunks the sidecar stored (0 if the call failed:
+        a miss, and the connection's breaker knows)."""
+        try:
+            return int(self.future.result().stored)
+        except grpc.RpcError as exc:
+            connection.failed(exc)
+            return 0
+        finally:
+            self.abandon()
+
+    def wait_done(self) -> None:
+        """Wait until the call has ended and its slabs are back (its outcome is
+        :meth:`stored`'s to report)."""
+        self.future.exception()
+        self.abandon()
+
+
+class StoreStreams:
+    """A client's ``StoreStream`` calls: one in flight at a time (each waits for the
+    one before: concurrent calls ran slower than one after another), each releasing
+    its slabs of the private pool as it sends them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: list[StoreSending] = []
+
+    def start(
+        self,
+        connection: Connection,
+        session_id: bytes,
+        items: Sequence[tuple[ChunkKey, SlabHandle, int]],
+    ) -> Callable[[], int]:
+        """Start a call that stores ``items`` (it owns their slabs from now on); a
+        function that waits for it and says how many chunks were stored."""
+        self.wait_all()
+        sending = StoreSending(session_id, items)
+        sending.future = connection.store_stream.future(
+            sending.pieces(), timeout=connection.timeout_s, metadata=connection.metadata
+        )
+        sending.future.add_done_callback(lambda _: sending.abandon())
+        with self._lock:
+            self._calls = [call for call in self._calls if not call.ended] + [sending]
+        return functools.partial(sending.stored, connection)
+
+    def acquire(self, pool: HostPool, count: int) -> list[SlabHandle]:
+        """Up to ``count`` slabs of ``pool``; while it is empty and a call is in flight,
+        wait for the oldest to end and give its slabs back."""
+        handles: list[SlabHandle] = []
+        while len(handles) < count:
+            handle = pool.acquire()
+            if handle is not None:
+                handles.append(handle)
                 continue
-            session = session_id if first else b""
-            yield encode_piece(data, 0, key=key, total_length=length, session_id=session)
-            first = False
+            with self._lock:
+                self._calls = [call for call in self._calls if not call.ended]
+                oldest = self._calls[0] if self._calls else None
+            if oldest is None:
+                break  # held by loads the caller has not released: the rest is dropped
+            oldest.wait_done()
+        return handles
+
+    def wait_all(self) -> None:
+        """Wait until every call has ended and given its slabs back."""
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.wait_done()

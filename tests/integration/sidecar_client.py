@@ -19,6 +19,7 @@ import json
 import random
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ def digest(tensor: torch.Tensor | None) -> str:
     return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
 
 
-def connect(target: str, *, stream: bool, timeout_s: float = 10.0) -> LMTier:
+def connect(target: str, *, stream: bool, timeout_s: float = 10.0, **options: Any) -> LMTier:
     config = load_config(env={})
     return LMTier.connect(
         target,
@@ -54,6 +55,7 @@ def connect(target: str, *, stream: bool, timeout_s: float = 10.0) -> LMTier:
         shared_memory=not stream,
         timeout_s=timeout_s,
         client_name="test-client",
+        **options,
     )
 
 

@@ -96,6 +96,48 @@ def test_streaming_store_is_loaded_through_shared_memory(
         assert torch.equal(hit.kv(), kv_of(2, TOKENS)[:, :, : 6 * 256])
 
 
+def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    # One private slab: each chunk's StoreStream must end (and give it back) before
+    # the next chunk is copied; nothing is dropped.
+    with connect(sidecar.target, stream=True, staging_bytes=1) as client:
+        assert client.host_memory().slabs == 0  # made on first use
+        assert client.store(prompt(12, TOKENS), kv_of(12, TOKENS)) == 6
+        assert client.host_memory().slabs == 1
+        assert client.host_memory().slabs_in_use == 0
+    with observer.load(prompt(12, TOKENS)) as hit:
+        assert hit.num_tokens == 6 * 256
+        assert torch.equal(hit.kv(), kv_of(12, TOKENS)[:, :, : 6 * 256])
+
+
+def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    ids, kv = prompt(13, TOKENS), kv_of(13, TOKENS)
+    client = connect(sidecar.target, stream=True, timeout_s=1.0, staging_bytes=4 << 20)
+    streams = client._sending  # type: ignore[attr-defined]
+    start = streams.start
+
+    def start_stopped(*args: Any) -> Any:
+        sidecar.signal(signal.SIGSTOP)  # after the lookup, before the chunks travel
+        return start(*args)
+
+    try:
+        streams.start = start_stopped
+        assert client.store(ids, kv) == 0  # deadlines passed: a miss, nothing raised
+        assert client.host_memory().slabs_in_use == 0
+        streams.start = start
+        sidecar.signal(signal.SIGCONT)
+        eventually(lambda: client.store(ids, kv) == 6, "a store once the sidecar runs again")
+        assert client.host_memory().slabs_in_use == 0
+    finally:
+        sidecar.signal(signal.SIGCONT)
+        client.close()
+    with observer.load(ids) as hit:
+        assert torch.equal(hit.kv(), kv_of(13, TOKENS)[:, :, : 6 * 256])
+
+
 def test_tenants_do_not_see_each_other(sidecar: SidecarProcess, observer: LMTier) -> None:
     assert run_client(sidecar.target, "store", "3", str(TOKENS), "--salt", "a") == {"stored": 6}
     ids = prompt(3, TOKENS)
