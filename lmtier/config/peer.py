@@ -75,8 +75,10 @@ class PeerConfig(Section):
     """Seconds a peer call may go without moving a byte before it counts as failed."""
     min_bytes_per_s: Size = 64 * 1024**2
     """Slowest fetch rate still counted as healthy (a call's deadline grows with its bytes)."""
-    max_keys_per_fetch: Count = 64
-    """Most chunks asked of one peer in one call (a larger read is split)."""
+    max_keys_per_fetch: Count = 256
+    """Most chunks asked of one peer in one call (a larger read is split, one call
+    after another; each call pays HTTP/2's flow-control ramp again: 128 chunks of
+    2 MiB in calls of 64 ran at 0.74-0.81x a raw gRPC stream, in one call 0.80x)."""
 
     @model_validator(mode="after")
     def _checked(self) -> PeerConfig:

@@ -69,7 +69,7 @@ class PeerTier(Tier):
         publish_interval_s: float = 0.5,
         timeout_s: float = 1.0,
         min_bytes_per_s: float = 64 * 1024**2,
-        max_keys_per_fetch: int = 64,
+        max_keys_per_fetch: int = 256,
         name: str = "peer",
     ) -> None:
         self.name = name
