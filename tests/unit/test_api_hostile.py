@@ -226,7 +226,7 @@ def test_use_after_close_is_a_cache_closed_error(cache: LMTier) -> None:
 
 def test_a_dropped_load_result_gives_its_slabs_back(caplog: pytest.LogCaptureFixture) -> None:
     with LMTier.open(config(cpu_chunks=4, staging_chunks=2), kv=SPEC, model_id="m") as cache:
-        prompts = [list(range(i * 1000, i * 1000 + 96)) for i in range(40)]
+        prompts = [list(range(i * 1000, i * 1000 + 96)) for i in range(10)]
         with caplog.at_level(logging.WARNING, logger="lmtier"):
             for index, prompt in enumerate(prompts):
                 cache.store(prompt, kv_for(96, seed=index))
