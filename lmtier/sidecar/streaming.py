@@ -3,6 +3,7 @@ and out of slabs of its private pool, as :mod:`.pieces` cuts them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -127,13 +128,16 @@ class StoreSending:
         except grpc.RpcError as exc:
             connection.failed(exc)
             return 0
+        except grpc.FutureCancelledError:
+            return 0
         finally:
             self.abandon()
 
     def wait_done(self) -> None:
         """Wait until the call has ended and its slabs are back (its outcome is
         :meth:`stored`'s to report)."""
-        self.future.exception()
+        with contextlib.suppress(grpc.FutureCancelledError):
+            self.future.exception()
         self.abandon()
 
 
