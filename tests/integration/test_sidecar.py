@@ -111,6 +111,34 @@ def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
         assert torch.equal(hit.kv(), kv_of(12, TOKENS)[:, :, : 6 * 256])
 
 
+def test_threads_of_one_streaming_client_store_and_load_bit_exact(
+    sidecar: SidecarProcess,
+) -> None:
+    # Four threads share one client, its private pool and its store calls in flight
+    # (eight prompts, 48 chunks: within the sidecar's CPU tier, so none is evicted).
+    failures: list[str] = []
+
+    def work(thread: int) -> None:
+        try:
+            for seed in range(20 + 10 * thread, 22 + 10 * thread):
+                assert client.store(prompt(seed, TOKENS), kv_of(seed, TOKENS)) == 6
+                with client.load(prompt(seed, TOKENS)) as hit:
+                    assert hit.num_tokens == 6 * 256
+                    assert torch.equal(hit.kv(), kv_of(seed, TOKENS)[:, :, : 6 * 256])
+        except Exception as exc:  # reported below, with the thread
+            failures.append(f"thread {thread}: {exc!r}")
+
+    with connect(sidecar.target, stream=True) as client:
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+        assert failures == []
+        assert client.host_memory().slabs_in_use == 0
+
+
 def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
     sidecar: SidecarProcess, observer: LMTier
 ) -> None:
