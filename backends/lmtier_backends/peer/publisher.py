@@ -56,6 +56,9 @@ class Publisher:
         self.published: set[ChunkKey] = set()
         self.rounds = 0
         """Rounds completed against a live directory."""
+        self.lock = asyncio.Lock()
+        """Held by each round; a ``delete`` holds it too, so that a round's snapshot of
+        the held keys is never published after the delete withdrew them."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._failing = False
@@ -89,7 +92,8 @@ class Publisher:
                 if now >= beat_at:
                     await self.directory.heartbeat(self.node_id, self.node.address)
                     beat_at = now + ttl / 3
-                await self._round(full=now >= full_at)
+                async with self.lock:
+                    await self._round(full=now >= full_at)
                 if now >= full_at:
                     full_at = now + ttl
                 if self._failing:

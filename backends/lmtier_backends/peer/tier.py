@@ -224,6 +224,18 @@ class PeerTier(Tier):
         ones this node holds from its CPU tier; how many entries went."""
         if not keys:
             return 0
+        node, publisher = self.node, self.publisher
+        if node is None or publisher is None:
+            return (await self._withdraw(keys))[0]
+        async with publisher.lock:  # no round in between: it could claim them again
+            removed, mine = await self._withdraw(keys)
+            with node.lock:
+                node.memory.discard(mine)
+            publisher.forget(mine)
+        return removed
+
+    async def _withdraw(self, keys: Sequence[ChunkKey]) -> tuple[int, list[ChunkKey]]:
+        """Withdraw the entries of ``keys``: how many went, and those this node owned."""
         owners = await self.directory.lookup(keys, every=True)
         by_owner: dict[str, list[ChunkKey]] = {}
         for key, owner in zip(keys, owners, strict=True):
@@ -233,13 +245,7 @@ class PeerTier(Tier):
         removed = 0
         for node_id, owned in by_owner.items():
             removed += await self.directory.withdraw(node_id, owned)
-        node, publisher = self.node, self.publisher
-        if node is not None and publisher is not None:
-            mine = by_owner.get(self.node_id, [])
-            with node.lock:
-                node.memory.discard(mine)
-            publisher.forget(mine)
-        return removed
+        return removed, by_owner.get(self.node_id, [])
 
     def usage(self) -> dict[str, int]:
         """With a node attached: ``chunks`` published and ``pending``, held in the CPU
