@@ -368,7 +368,7 @@ class SidecarClient(LMTier):
             )
             for _, handle, _ in group:
                 handle.handed_over()
-            waits.append(functools.partial(_stored, connection, future))
+            waits.append(functools.partial(connection.stored, future))
         return waits
 
     def _stream_store(
@@ -468,15 +468,6 @@ class SidecarClient(LMTier):
             for tier, count in connection.call(connection.stub.Pin, request).pinned.items():
                 counts[tier] = counts.get(tier, 0) + count
         return counts
-
-
-def _stored(connection: Connection, future: Any) -> int:
-    """What a Commit in flight stored (0 if it failed: a miss, and the breaker knows)."""
-    try:
-        return int(future.result().stored)
-    except grpc.RpcError as exc:
-        connection.failed(exc)
-        return 0
 
 
 def _committed(answer: Callable[[], Any]) -> int:

@@ -160,6 +160,17 @@ class Connection:
         except grpc.RpcError as exc:
             raise self.failed(exc) from None
 
+    def stored(self, future: Any) -> int:
+        """What a ``Commit`` or ``StoreStream`` in flight stored: 0 if it failed (a
+        miss, and the breaker knows) or was cancelled with the channel."""
+        try:
+            return int(future.result().stored)
+        except grpc.RpcError as exc:
+            self.failed(exc)
+            return 0
+        except grpc.FutureCancelledError:
+            return 0
+
     def failed(self, exc: grpc.RpcError) -> Exception:
         """What a failed call means here (see :meth:`call`); marks the connection down
         when the sidecar is unreachable."""

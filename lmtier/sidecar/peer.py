@@ -147,7 +147,7 @@ class PeerServer:
                     continue
                 handle, length = shared
                 try:
-                    for piece in chunk_pieces(key, handle.view, length, self._piece, "peer"):
+                    for piece in chunk_pieces(key, handle.view, length, self._piece, tier="peer"):
                         yield piece
                 finally:
                     handle.release()

@@ -90,17 +90,26 @@ def encode_piece(
 
 
 def chunk_pieces(
-    key: bytes, view: memoryview, length: int, limit: int, tier: str = ""
+    key: bytes,
+    view: memoryview,
+    length: int,
+    limit: int,
+    *,
+    tier: str = "",
+    session_id: bytes = b"",
 ) -> Iterator[bytes]:
     """The serialized pieces of one encoded chunk (``view[:length]``), as the streaming
-    calls send it: the first with its key, length and serving ``tier``."""
+    calls send it: the first with its key, length, serving ``tier`` and (a store
+    stream's first chunk) ``session_id``."""
     offsets, step = piece_offsets(length, limit)
     for offset in offsets:
         data = view[offset : min(offset + step, length)]
         if offset:
             yield encode_piece(data, offset)
         else:
-            yield encode_piece(data, 0, key=key, total_length=length, tier=tier)
+            yield encode_piece(
+                data, 0, key=key, total_length=length, tier=tier, session_id=session_id
+            )
 
 
 _EMPTY = memoryview(b"")

@@ -302,7 +302,7 @@ class SidecarService(pb_grpc.SidecarServicer):
                 decoded = loaded.chunk
                 length = decoded.payload_offset + len(decoded.payload)
                 view = loaded.handle.view
-                for piece in chunk_pieces(loaded.key, view, length, self._piece, loaded.tier):
+                for piece in chunk_pieces(loaded.key, view, length, self._piece, tier=loaded.tier):
                     yield piece
                 loaded.release()
         finally:

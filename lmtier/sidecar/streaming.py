@@ -4,7 +4,6 @@ and out of slabs of its private pool, as :mod:`.pieces` cuts them."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -15,7 +14,7 @@ import grpc
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.sidecar.connection import Connection
-from lmtier.sidecar.pieces import PIECE_BYTES, decode_piece, encode_piece, piece_offsets
+from lmtier.sidecar.pieces import PIECE_BYTES, chunk_pieces, decode_piece
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 
@@ -66,46 +65,44 @@ def receive_chunks(
 
 
 class StoreSending:
-    """One ``StoreStream`` call in flight: the pieces of its chunks (filled slabs of
-    the private pool), serialized in grpcio's request thread while the caller copies
-    the next batch. It owns the slabs: each is released once its last piece is
-    serialized (its bytes are in the message then), and whatever is left when the
-    call ends (failed, cancelled, the pool closed) by :meth:`abandon`."""
+    """One ``StoreStream`` call in flight, started on construction: the pieces of its
+    chunks (filled slabs of the private pool) are serialized in grpcio's request
+    thread while the caller copies the next batch. It owns the slabs: each is released
+    once its chunk is serialized (its bytes are in the messages then), and whatever is
+    left when the call ends (failed, cancelled, the pool closed) by :meth:`abandon`."""
 
-    def __init__(self, session_id: bytes, items: Sequence[tuple[ChunkKey, SlabHandle, int]]):
+    def __init__(
+        self,
+        connection: Connection,
+        session_id: bytes,
+        items: Sequence[tuple[ChunkKey, SlabHandle, int]],
+    ) -> None:
+        self._connection = connection
         self._session_id = session_id
         self._items = list(items)
         self._lock = threading.Lock()
         self._abandoned = False
-        self.future: Any = None
-        """The call's grpc future, once :meth:`StoreStreams.start` made it."""
+        self._future: Any = connection.store_stream.future(
+            self._pieces(), timeout=connection.timeout_s, metadata=connection.metadata
+        )
+        self._future.add_done_callback(lambda _: self.abandon())
 
-    def pieces(self) -> Iterator[bytes]:
-        """The request messages; each slab is read under the lock, so :meth:`abandon`
-        never releases one mid-copy."""
-        first = True
+    def _pieces(self) -> Iterator[bytes]:
+        """The request messages; each chunk is serialized under the lock, so
+        :meth:`abandon` never releases a slab mid-copy."""
+        session = self._session_id
         for key, handle, length in self._items:
-            offsets, step = piece_offsets(length, PIECE_BYTES)
-            for offset in offsets:
-                end = min(offset + step, length)
-                with self._lock:
-                    if self._abandoned or handle.released:
-                        return
-                    try:
-                        data = handle.view[offset:end]
-                    except HandleError:  # the client closed its pool: the call is over
-                        return
-                    if offset:
-                        piece = encode_piece(data, offset)
-                    else:
-                        session = self._session_id if first else b""
-                        piece = encode_piece(
-                            data, 0, key=key, total_length=length, session_id=session
-                        )
-                    if end == length:
-                        handle.release()
-                first = False
-                yield piece
+            with self._lock:
+                if self._abandoned:
+                    return
+                try:
+                    view = handle.view
+                except HandleError:  # the client closed its pool: the call is over
+                    return
+                pieces = list(chunk_pieces(key, view, length, PIECE_BYTES, session_id=session))
+                handle.release()
+            session = b""
+            yield from pieces
 
     @property
     def ended(self) -> bool:
@@ -120,16 +117,10 @@ class StoreSending:
                 if not handle.released:
                     handle.release()
 
-    def stored(self, connection: Connection) -> int:
-        """Wait for the answer: how many chunks the sidecar stored (0 if the call failed:
-        a miss, and the connection's breaker knows)."""
+    def stored(self) -> int:
+        """Wait for the answer: how many chunks the sidecar stored (0 if the call failed)."""
         try:
-            return int(self.future.result().stored)
-        except grpc.RpcError as exc:
-            connection.failed(exc)
-            return 0
-        except grpc.FutureCancelledError:
-            return 0
+            return self._connection.stored(self._future)
         finally:
             self.abandon()
 
@@ -137,7 +128,7 @@ class StoreSending:
         """Wait until the call has ended and its slabs are back (its outcome is
         :meth:`stored`'s to report)."""
         with contextlib.suppress(grpc.FutureCancelledError):
-            self.future.exception()
+            self._future.exception()
         self.abandon()
 
 
@@ -159,14 +150,10 @@ class StoreStreams:
         """Start a call that stores ``items`` (it owns their slabs from now on); a
         function that waits for it and says how many chunks were stored."""
         self.wait_all()
-        sending = StoreSending(session_id, items)
-        sending.future = connection.store_stream.future(
-            sending.pieces(), timeout=connection.timeout_s, metadata=connection.metadata
-        )
-        sending.future.add_done_callback(lambda _: sending.abandon())
+        sending = StoreSending(connection, session_id, items)
         with self._lock:
-            self._calls = [call for call in self._calls if not call.ended] + [sending]
-        return functools.partial(sending.stored, connection)
+            self._calls = [*self._live(), sending]
+        return sending.stored
 
     def acquire(self, pool: HostPool, count: int) -> list[SlabHandle]:
         """Up to ``count`` slabs of ``pool``; while it is empty and a call is in flight,
@@ -178,7 +165,7 @@ class StoreStreams:
                 handles.append(handle)
                 continue
             with self._lock:
-                self._calls = [call for call in self._calls if not call.ended]
+                self._calls = self._live()
                 oldest = self._calls[0] if self._calls else None
             if oldest is None:
                 break  # held by loads the caller has not released: the rest is dropped
@@ -188,6 +175,9 @@ class StoreStreams:
     def wait_all(self) -> None:
         """Wait until every call has ended and given its slabs back."""
         with self._lock:
-            calls = list(self._calls)
+            calls = self._live()
         for call in calls:
             call.wait_done()
+
+    def _live(self) -> list[StoreSending]:
+        return [call for call in self._calls if not call.ended]
