@@ -58,7 +58,7 @@ from lmtier.storage.lookup import Lookup
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storage.plugins import open_tiers
-from lmtier.storing import Encoded, store_chunks
+from lmtier.storing import Encoded, Reserved, store_chunks
 
 __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
@@ -392,11 +392,11 @@ class LMTier(Maintenance):
 
     def _reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
-    ) -> tuple[int, list[SlabHandle]]:
+    ) -> tuple[int, Reserved]:
         """How many leading ``keys`` a store skips (``skip``, else the local tiers say),
         and slabs reserved for the rest (:mod:`lmtier.storing`): none here."""
         present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
-        return present, []
+        return present, Reserved()
 
     def _hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """Give filled slabs to the cache now (:mod:`lmtier.storing`)."""

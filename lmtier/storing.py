@@ -5,8 +5,10 @@ It runs in the caller's thread and reaches storage only through the cache's hook
 so that an embedded cache and a sidecar's client share it:
 
 * ``_reserve(keys, skip, count)``: how many leading chunks are cached already, and
-  slabs for (up to ``count`` of) the rest, or none. Embedded: a lookup of the local tiers; a
-  sidecar client: one AcquireSlabs round trip that answers both.
+  :class:`Reserved` slabs for (up to ``count`` of) the rest, or none. Embedded: a
+  lookup of the local tiers; a sidecar client: an AcquireSlabs round trip that
+  answers both for the first batch, and one more for the rest whose answer comes
+  while the first batch is copied.
 * ``acquire_slabs(n)``: more slabs when the reserved ones run out.
 * ``_hand_over(encoded)``: give filled slabs to the cache; returns a function that
   says how many were stored. Embedded: done at once; a sidecar client: a Commit in
@@ -16,7 +18,8 @@ so that an embedded cache and a sidecar's client share it:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from lmtier.chunks.keys import ChunkKey
@@ -24,10 +27,44 @@ from lmtier.errors import InvalidKVError
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, check_kv, narrow_kv
 from lmtier.storage.memory import SlabHandle
 
-__all__ = ["Encoded", "StoreHooks", "store_chunks"]
+__all__ = ["Encoded", "Reserved", "StoreHooks", "store_chunks"]
 
 Encoded = list[tuple[ChunkKey, SlabHandle, int]]
 """Filled slabs: ``(key, lease, encoded length)``."""
+
+
+class Reserved:
+    """Slabs reserved for a store: those in hand, and those ``coming`` (functions that
+    wait for the answer of a call in flight and return its slabs, none if it failed;
+    called in order, in the store's thread). Every slab ends up taken or released:
+    :meth:`release` waits for what is still coming, so no lease is left unanswered."""
+
+    __slots__ = ("_coming", "_ready")
+
+    def __init__(
+        self,
+        ready: Iterable[SlabHandle] = (),
+        coming: Iterable[Callable[[], list[SlabHandle]]] = (),
+    ) -> None:
+        self._ready = list(ready)
+        self._coming = deque(coming)
+
+    def take(self, count: int) -> list[SlabHandle]:
+        """Up to ``count`` slabs (fewer when the reservation runs out)."""
+        while len(self._ready) < count and self._coming:
+            self._ready += self._coming.popleft()()
+        taken, self._ready = self._ready[:count], self._ready[count:]
+        return taken
+
+    def release(self) -> None:
+        """Give back every slab not taken, those still coming included."""
+        try:
+            while self._coming:
+                self._ready += self._coming.popleft()()
+        finally:
+            ready, self._ready = self._ready, []
+            for handle in ready:
+                handle.release()
 
 
 class StoreHooks(Protocol):
@@ -40,7 +77,7 @@ class StoreHooks(Protocol):
 
     def _reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
-    ) -> tuple[int, list[SlabHandle]]: ...
+    ) -> tuple[int, Reserved]: ...
 
     def acquire_slabs(self, count: int) -> list[SlabHandle]: ...
 
@@ -64,7 +101,7 @@ def store_chunks(
     try:
         for first in range(present, len(keys), step):
             batch = range(first, min(first + step, len(keys)))
-            handles, reserved = reserved[: len(batch)], reserved[len(batch) :]
+            handles = reserved.take(len(batch))
             if len(handles) < len(batch):
                 handles += cache.acquire_slabs(len(batch) - len(handles))
             encoded: Encoded = []
@@ -82,6 +119,5 @@ def store_chunks(
             if len(handles) < len(batch):
                 break  # the pool is exhausted by readers and pending writes: drop the rest
     finally:
-        for extra in reserved:  # reserved for chunks not stored after all
-            extra.release()
+        reserved.release()  # reserved for chunks not stored after all
     return sum(wait() for wait in waits)

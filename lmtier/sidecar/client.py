@@ -36,12 +36,20 @@ from lmtier.kv_spec import KVSpec
 from lmtier.maintenance import checked_keys
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
-from lmtier.sidecar.slabs import LEASE_MARGIN, RemoteSlab, checked_chunks, leased_chunks
+from lmtier.sidecar.slabs import (
+    LEASE_MARGIN,
+    RemoteSlab,
+    checked_chunks,
+    granted_slabs,
+    leased_chunks,
+    reserve_shared,
+)
 from lmtier.sidecar.streaming import StoreStreams, receive_chunks
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 from lmtier.storage.manager import EvictListener
 from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storing import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 
 __all__ = ["SidecarClient"]
@@ -273,16 +281,22 @@ class SidecarClient(LMTier):
 
     def _reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
-    ) -> tuple[int, list[SlabHandle]]:
-        """One AcquireSlabs call: what the sidecar already holds, and the slabs."""
+    ) -> tuple[int, Reserved]:
+        """What the sidecar already holds (``skip`` when given), and slabs for the rest."""
         if not keys:
-            return 0, []
+            return 0, Reserved()
         connection = self._conn()
         try:
             session = self._session_of(keys)
-            return self._acquire(connection, session, count, None if skip is not None else keys)
+            if session.pool is not None:
+                step = self.store_batch
+                return reserve_shared(connection, session, keys, skip=skip, count=count, step=step)
+            present, slabs = self._acquire(
+                connection, session, count, None if skip is not None else keys
+            )
+            return (present if skip is None else skip), Reserved(slabs)
         except SidecarUnavailable:
-            return len(keys), []  # nothing can be stored now: skip it all
+            return len(keys), Reserved()  # nothing can be stored now: skip it all
 
     def _acquire(
         self,
@@ -305,19 +319,7 @@ class SidecarClient(LMTier):
             request.keys = b"".join(keys)
         sent = time.monotonic()
         reply = connection.unary(session, "AcquireSlabs", request)
-        deadline = sent + session.info.lease_ttl_s * LEASE_MARGIN
-        slabs: list[SlabHandle] = [
-            RemoteSlab(
-                session.pool,
-                grant.slab,
-                lease=grant.lease,
-                session=session,
-                connection=connection,
-                deadline=deadline,
-            )
-            for grant in reply.slabs
-        ]
-        return reply.present, slabs
+        return reply.present, granted_slabs(connection, session, reply, sent)
 
     def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
         return self._hand_over(encoded)()

@@ -9,18 +9,28 @@ releasing it tells the sidecar (queued, sent in the background), it has one owne
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
-from lmtier.sidecar.connection import ClientSession, Connection
+from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk
 from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storing import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["LEASE_MARGIN", "RemoteSlab", "checked_chunks", "leased_chunks"]
+__all__ = [
+    "LEASE_MARGIN",
+    "RemoteSlab",
+    "checked_chunks",
+    "granted_slabs",
+    "leased_chunks",
+    "reserve_shared",
+]
 
 LEASE_MARGIN = 0.9
 """Part of a lease's life this client uses: it stops touching a slab well before the
@@ -138,3 +148,70 @@ def checked_chunks(
             continue
         chunks.append(LoadedChunk(keys[index], tier, chunk, handle))
     return chunks
+
+
+def reserve_shared(
+    connection: Connection,
+    session: ClientSession,
+    keys: Sequence[ChunkKey],
+    *,
+    skip: int | None,
+    count: int,
+    step: int,
+) -> tuple[int, Reserved]:
+    """A shared-memory store's reservation (:mod:`lmtier.storing`): two AcquireSlabs
+    sent at once, the first batch's ``step`` slabs (and, without ``skip``, how many
+    leading keys the sidecar holds), then the rest's, answered while the first batch
+    is copied. The second names the keys past the first batch, so the sidecar frees
+    no slabs (evicting chunks) for the part of them it holds."""
+    step = min(count, step)
+    first = pb.AcquireSlabsRequest(
+        session_id=session.id, count=step, release=connection.take_releases(session)
+    )
+    rest = pb.AcquireSlabsRequest(session_id=session.id, count=count - step)
+    if skip is None:
+        first.keys = b"".join(keys)
+        rest.keys = b"".join(keys[step:])
+    sent = time.monotonic()
+    answer = connection.start(session, "AcquireSlabs", first)
+    coming: list[Callable[[], list[SlabHandle]]] = []
+    if rest.count > 0:
+        later = connection.start(session, "AcquireSlabs", rest)
+        coming.append(functools.partial(_granted_later, connection, session, later, sent))
+    try:
+        reply = answer()
+    except BaseException:
+        Reserved(coming=coming).release()  # its leases are given back, not left held
+        raise
+    present = reply.present if skip is None else skip
+    return present, Reserved(granted_slabs(connection, session, reply, sent), coming)
+
+
+def granted_slabs(
+    connection: Connection, session: ClientSession, reply: Any, sent: float
+) -> list[SlabHandle]:
+    """An AcquireSlabsReply's slabs as :class:`RemoteSlab` leases (``sent``: when
+    they were asked for; their deadline counts from then)."""
+    pool = session.pool
+    assert pool is not None  # a shared-memory session
+    deadline = sent + session.info.lease_ttl_s * LEASE_MARGIN
+    return [
+        RemoteSlab(
+            pool,
+            grant.slab,
+            lease=grant.lease,
+            session=session,
+            connection=connection,
+            deadline=deadline,
+        )
+        for grant in reply.slabs
+    ]
+
+
+def _granted_later(
+    connection: Connection, session: ClientSession, answer: Callable[[], Any], sent: float
+) -> list[SlabHandle]:
+    try:
+        return granted_slabs(connection, session, answer(), sent)
+    except SidecarUnavailable:
+        return []  # no slab free (or no sidecar): the chunks left are dropped

@@ -336,3 +336,43 @@ def test_a_long_load_is_pipelined_and_stops_at_the_first_miss(
             eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
         finally:
             cache.close()
+
+
+def test_a_store_asks_for_slabs_ahead_and_frees_none_for_chunks_the_sidecar_holds(
+    sidecar: SidecarProcess, observer: LMTier
+) -> None:
+    """A shared-memory store asks for its first batch's slabs and the rest's at once;
+    re-storing a cached prompt into a full pool must still evict nothing."""
+    slabs = int(gauges(observer)["slabs_total"])
+    for seed in range(40, 40 + slabs // 8 + 1):  # more chunks than the pool holds
+        observer.store(prompt(seed, 8 * 256), kv_of(seed, 8 * 256))
+    assert observer.stats()["cpu"]["evictions"] > 0  # full: any new slab evicts
+    chunks = 20  # more than one store batch (8)
+    ids, kv = prompt(21, chunks * 256), kv_of(21, chunks * 256)
+    assert observer.store(ids, kv) == chunks
+    with observer.load(ids) as hit:
+        assert torch.equal(hit.kv(), kv)
+    evictions = observer.stats()["cpu"]["evictions"]
+    assert observer.store(ids, kv) == 0  # every chunk is held: no slab is asked for
+    assert observer.stats()["cpu"]["evictions"] == evictions
+    assert observer.lookup(ids).num_tokens == chunks * 256
+    eventually(lambda: gauges(observer)["leases"] == 0, "every lease ended")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_store_keys_with_skip_stores_only_the_chunks_after_it(
+    sidecar: SidecarProcess, stream: bool
+) -> None:
+    cache = connect(sidecar.target, stream=stream)
+    try:
+        seed = 30 + stream
+        ids, kv = prompt(seed, 10 * 256), kv_of(seed, 10 * 256)
+        keys = cache.keys(ids)
+        assert cache.store_keys(keys, kv, skip=3) == 7
+        assert cache.lookup_keys(keys).num_chunks == 0  # the first three were not stored
+        with cache.load_keys(keys[3:]) as hit:
+            assert hit.num_tokens == 7 * 256
+            assert torch.equal(hit.kv(), kv[:, :, 3 * 256 :])
+        eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
+    finally:
+        cache.close()
