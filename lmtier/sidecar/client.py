@@ -283,8 +283,8 @@ class SidecarClient(LMTier):
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
     ) -> tuple[int, Reserved]:
         """What the sidecar already holds (``skip`` when given), and slabs for the rest."""
-        if not keys:
-            return 0, Reserved()
+        if not keys or count == 0:
+            return (0 if skip is None else skip), Reserved()
         connection = self._conn()
         try:
             session = self._session_of(keys)
