@@ -37,17 +37,22 @@ class Reserved:
     """Slabs reserved for a store: those in hand, and those ``coming`` (functions that
     wait for the answer of a call in flight and return its slabs, none if it failed;
     called in order, in the store's thread). Every slab ends up taken or released:
-    :meth:`release` waits for what is still coming, so no lease is left unanswered."""
+    :meth:`release`, which the store calls once it has handed over its last chunk,
+    waits for what is still coming, so no lease is left unanswered, and then calls
+    ``done``."""
 
-    __slots__ = ("_coming", "_ready")
+    __slots__ = ("_coming", "_done", "_ready")
 
     def __init__(
         self,
         ready: Iterable[SlabHandle] = (),
         coming: Iterable[Callable[[], list[SlabHandle]]] = (),
+        *,
+        done: Callable[[], None] | None = None,
     ) -> None:
         self._ready = list(ready)
         self._coming = deque(coming)
+        self._done = done
 
     def take(self, count: int) -> list[SlabHandle]:
         """Up to ``count`` slabs (fewer when the reservation runs out)."""
@@ -57,7 +62,8 @@ class Reserved:
         return taken
 
     def release(self) -> None:
-        """Give back every slab not taken, those still coming included."""
+        """Give back every slab not taken, those still coming included; then tell the
+        cache (``done``) that the store has handed over its last chunk."""
         try:
             while self._coming:
                 self._ready += self._coming.popleft()()
@@ -65,6 +71,9 @@ class Reserved:
             ready, self._ready = self._ready, []
             for handle in ready:
                 handle.release()
+            done, self._done = self._done, None
+            if done is not None:
+                done()
 
 
 class StoreHooks(Protocol):

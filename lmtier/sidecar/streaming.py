@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -65,42 +66,65 @@ def receive_chunks(
 
 
 class StoreSending:
-    """One ``StoreStream`` call in flight, started on construction: the pieces of its
-    chunks (filled slabs of the private pool) are serialized in grpcio's request
-    thread while the caller copies the next batch. It owns the slabs: each is released
-    once its chunk is serialized (its bytes are in the messages then), and whatever is
-    left when the call ends (failed, cancelled, the pool closed) by :meth:`abandon`."""
+    """One ``StoreStream`` call, started on construction and fed as the caller fills
+    slabs (:meth:`add`) until :meth:`finish`: the pieces of each chunk are serialized
+    in grpcio's request thread while the caller copies the next ones, so a whole
+    store is one call (each call pays HTTP/2's flow-control ramp again). It owns the
+    slabs it is given: each is released once its chunk is serialized (its bytes are in
+    the messages then), and whatever is left when the call ends (failed, cancelled,
+    the pool closed) by :meth:`abandon`."""
 
-    def __init__(
-        self,
-        connection: Connection,
-        session_id: bytes,
-        items: Sequence[tuple[ChunkKey, SlabHandle, int]],
-    ) -> None:
+    def __init__(self, connection: Connection, session_id: bytes) -> None:
+        self.session_id = session_id
+        self.chunks = 0
+        """Chunks given to this call so far."""
         self._connection = connection
-        self._session_id = session_id
-        self._items = list(items)
-        self._lock = threading.Lock()
+        self._items: deque[tuple[ChunkKey, SlabHandle, int]] = deque()
+        self._changed = threading.Condition()
+        self._finished = False  # no more chunks will be added
         self._abandoned = False
         self._future: Any = connection.store_stream.future(
             self._pieces(), timeout=connection.timeout_s, metadata=connection.metadata
         )
         self._future.add_done_callback(lambda _: self.abandon())
 
+    def add(self, items: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> None:
+        """Send these filled slabs' chunks too (the call owns the slabs from now on:
+        released at once, unsent, if it has ended or was finished)."""
+        with self._changed:
+            self.chunks += len(items)
+            if self._abandoned or self._finished:  # ended, or closed by the client
+                for _, handle, _ in items:
+                    handle.release()
+                return
+            self._items.extend(items)
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        """No more chunks: the call ends once those added are sent."""
+        with self._changed:
+            self._finished = True
+            self._changed.notify_all()
+
     def _pieces(self) -> Iterator[bytes]:
         """The request messages; each chunk is serialized under the lock, so
         :meth:`abandon` never releases a slab mid-copy."""
-        session = self._session_id
-        for key, handle, length in self._items:
-            with self._lock:
-                if self._abandoned:
+        session = self.session_id
+        while True:
+            with self._changed:
+                while not (self._items or self._finished or self._abandoned):
+                    self._changed.wait()
+                if self._abandoned or not self._items:
                     return
+                key, handle, length = self._items[0]
                 try:
                     view = handle.view
                 except HandleError:  # the client closed its pool: the call is over
                     return
                 pieces = list(chunk_pieces(key, view, length, PIECE_BYTES, session_id=session))
+                self._items.popleft()
                 handle.release()
+                self._changed.notify_all()  # a slab is free
             session = b""
             yield from pieces
 
@@ -109,16 +133,37 @@ class StoreSending:
         """Whether the call has ended and given every slab back."""
         return self._abandoned
 
+    @property
+    def finished(self) -> bool:
+        """Whether it takes no more chunks (it ends once those it holds are sent)."""
+        return self._finished
+
+    @property
+    def sending(self) -> bool:
+        """Whether slabs it holds are still to be serialized (they come back as they are)."""
+        with self._changed:  # a chunk is dequeued and its slab released in one step
+            return bool(self._items) and not self._abandoned
+
+    def wait_freed(self) -> None:
+        """Wait until it releases a slab it holds, or ends."""
+        with self._changed:
+            queued = len(self._items)
+            while queued and len(self._items) == queued and not self._abandoned:
+                self._changed.wait()
+
     def abandon(self) -> None:
         """Release every slab not sent yet; the request iterator stops."""
-        with self._lock:
+        with self._changed:
             self._abandoned = True
-            for _, handle, _ in self._items:
+            items, self._items = self._items, deque()
+            for _, handle, _ in items:
                 if not handle.released:
                     handle.release()
+            self._changed.notify_all()
 
     def stored(self) -> int:
         """Wait for the answer: how many chunks the sidecar stored (0 if the call failed)."""
+        self.finish()
         try:
             return self._connection.stored(self._future)
         finally:
@@ -133,31 +178,73 @@ class StoreSending:
 
 
 class StoreStreams:
-    """A client's ``StoreStream`` calls: one in flight at a time (each waits for the
-    one before: concurrent calls ran slower than one after another), each releasing
-    its slabs of the private pool as it sends them."""
+    """A client's ``StoreStream`` calls. A thread's :meth:`lmtier.LMTier.store` feeds
+    one call from :meth:`begin` to :meth:`end` (a new one past ``MAX_CALL_CHUNKS``, so
+    that a call's deadline bounds a fixed amount of bytes); any other hand-over is a
+    call of its own. A call waits for the calls already finished before it starts
+    (calls side by side ran slower than one after another)."""
+
+    MAX_CALL_CHUNKS = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls: list[StoreSending] = []
+        self._store = threading.local()  # this thread's store: the call it feeds
 
-    def start(
+    def begin(self) -> None:
+        """This thread starts a store: its hand-overs feed one call until :meth:`end`."""
+        self._store.active, self._store.call = True, None
+
+    def end(self) -> None:
+        """This thread's store has handed over its last chunk."""
+        call: StoreSending | None = getattr(self._store, "call", None)
+        self._store.active, self._store.call = False, None
+        if call is not None:
+            call.finish()
+
+    def send(
         self,
         connection: Connection,
         session_id: bytes,
         items: Sequence[tuple[ChunkKey, SlabHandle, int]],
     ) -> Callable[[], int]:
-        """Start a call that stores ``items`` (it owns their slabs from now on); a
-        function that waits for it and says how many chunks were stored."""
-        self.wait_all()
-        sending = StoreSending(connection, session_id, items)
+        """Send ``items`` (their slabs are the calls' from now on); a function that says
+        how many were stored (within a store, the call's first hand-over answers for
+        the call, the others 0)."""
+        if not getattr(self._store, "active", False):
+            call = self.start(connection, session_id)
+            call.add(items)
+            call.finish()
+            return call.stored
+        call = self._store.call
+        fresh = (
+            call is None
+            or call.ended
+            or call.session_id != session_id
+            or call.chunks + len(items) > self.MAX_CALL_CHUNKS
+        )
+        if fresh:
+            if call is not None:
+                call.finish()
+            call = self._store.call = self.start(connection, session_id)
+        call.add(items)
+        return call.stored if fresh else _nothing
+
+    def start(self, connection: Connection, session_id: bytes) -> StoreSending:
+        """A new call (after those already finished have ended)."""
+        with self._lock:
+            before = self._live()
+        for call in before:
+            if call.finished:  # never one still fed: its store may need slabs we hold
+                call.wait_done()
+        sending = StoreSending(connection, session_id)
         with self._lock:
             self._calls = [*self._live(), sending]
-        return sending.stored
+        return sending
 
     def acquire(self, pool: HostPool, count: int) -> list[SlabHandle]:
-        """Up to ``count`` slabs of ``pool``; while it is empty and a call is in flight,
-        wait for the oldest to end and give its slabs back."""
+        """Up to ``count`` slabs of ``pool``; while it is empty and a call still holds
+        slabs to send, wait for it to give one back."""
         handles: list[SlabHandle] = []
         while len(handles) < count:
             handle = pool.acquire()
@@ -166,10 +253,14 @@ class StoreStreams:
                 continue
             with self._lock:
                 self._calls = self._live()
-                oldest = self._calls[0] if self._calls else None
-            if oldest is None:
-                break  # held by loads the caller has not released: the rest is dropped
-            oldest.wait_done()
+                holding = next((call for call in self._calls if call.sending), None)
+            if holding is None:  # none since the first try; but one may have come back
+                handle = pool.acquire()
+                if handle is None:
+                    break  # held by loads the caller has not released: the rest is dropped
+                handles.append(handle)
+                continue
+            holding.wait_freed()
         return handles
 
     def wait_all(self) -> None:
@@ -177,7 +268,12 @@ class StoreStreams:
         with self._lock:
             calls = self._live()
         for call in calls:
+            call.finish()
             call.wait_done()
 
     def _live(self) -> list[StoreSending]:
         return [call for call in self._calls if not call.ended]
+
+
+def _nothing() -> int:
+    return 0
