@@ -378,7 +378,9 @@ class SidecarClient(LMTier):
         self, connection: Connection, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
     ) -> Callable[[], int]:
         session = self._session_of([items[0][0]])
-        return self._sending.send(connection, session.id, items)
+        return self._sending.send(
+            connection, session.id, items, max_chunks=self._local_pool().num_slabs
+        )
 
     # ---- the rest ------------------------------------------------------------------
 

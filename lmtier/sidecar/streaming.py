@@ -179,12 +179,11 @@ class StoreSending:
 
 class StoreStreams:
     """A client's ``StoreStream`` calls. A thread's :meth:`lmtier.LMTier.store` feeds
-    one call from :meth:`begin` to :meth:`end` (a new one past ``MAX_CALL_CHUNKS``, so
-    that a call's deadline bounds a fixed amount of bytes); any other hand-over is a
-    call of its own. A call waits for the calls already finished before it starts
-    (calls side by side ran slower than one after another)."""
-
-    MAX_CALL_CHUNKS = 64
+    one call from :meth:`begin` to :meth:`end` (a new one past ``max_chunks``, the
+    private pool's size, so that a call's deadline covers at most a pool's worth of
+    bytes); any other hand-over is a call of its own. A call waits for the calls
+    already finished before it starts (calls side by side ran slower than one after
+    another)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -207,8 +206,11 @@ class StoreStreams:
         connection: Connection,
         session_id: bytes,
         items: Sequence[tuple[ChunkKey, SlabHandle, int]],
+        *,
+        max_chunks: int,
     ) -> Callable[[], int]:
-        """Send ``items`` (their slabs are the calls' from now on); a function that says
+        """Send ``items`` (their slabs are the calls' from now on), in a call of at most
+        ``max_chunks`` chunks unless ``items`` alone are more; a function that says
         how many were stored (within a store, the call's first hand-over answers for
         the call, the others 0)."""
         if not getattr(self._store, "active", False):
@@ -221,7 +223,7 @@ class StoreStreams:
             call is None
             or call.ended
             or call.session_id != session_id
-            or call.chunks + len(items) > self.MAX_CALL_CHUNKS
+            or call.chunks + len(items) > max_chunks
         )
         if fresh:
             if call is not None:

@@ -380,16 +380,17 @@ def test_store_keys_with_skip_stores_only_the_chunks_after_it(
 
 def test_a_streaming_store_longer_than_one_call_is_stored_whole(tmp_path: Path) -> None:
     """A store's chunks travel in one StoreStream fed as they are copied, and in a
-    new one past StoreStreams.MAX_CALL_CHUNKS: every chunk arrives, in order."""
+    new one past a private pool's worth of chunks: every chunk arrives, in order."""
     settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
     with (
         SidecarProcess(tmp_path / "sidecar", settings) as sidecar,
         connect(sidecar.target, stream=True, staging_bytes=8 << 20) as client,
         connect(sidecar.target, stream=False) as reader,
     ):
-        chunks = client._sending.MAX_CALL_CHUNKS + 6  # type: ignore[attr-defined]
+        chunks = 70
         ids, kv = prompt(50, chunks * 256), kv_of(50, chunks * 256)
-        assert client.store(ids, kv) == chunks  # through a pool of 15 slabs
+        assert client.store(ids, kv) == chunks  # in 5 calls, through a pool of 15 slabs
+        assert client.host_memory().slabs == 15
         assert client.host_memory().slabs_in_use == 0
         with reader.load(ids) as hit:
             assert hit.num_tokens == chunks * 256
