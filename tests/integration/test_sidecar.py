@@ -157,7 +157,16 @@ def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
         assert client.host_memory().slabs_in_use == 0
         streams.start = start
         sidecar.signal(signal.SIGCONT)
-        eventually(lambda: client.store(ids, kv) == 6, "a store once the sidecar runs again")
+        results: list[int] = []  # in the message if it never happens
+
+        def stored_all() -> bool:
+            results.append(client.store(ids, kv))
+            return results[-1] == 6
+
+        try:
+            eventually(stored_all, "a store once the sidecar runs again")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: stores returned {results[-5:]} (last 5)") from None
         assert client.host_memory().slabs_in_use == 0
     finally:
         sidecar.signal(signal.SIGCONT)
