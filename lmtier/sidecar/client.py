@@ -275,7 +275,7 @@ class SidecarClient(LMTier):
             return []
         try:
             session = connection.session(self.namespace())
-            return self._acquire(connection, session, count, None)[1]
+            return self._acquire(connection, session, count)
         except SidecarUnavailable:
             return []
 
@@ -291,36 +291,26 @@ class SidecarClient(LMTier):
             if session.pool is not None:
                 step = self.store_batch
                 return reserve_shared(connection, session, keys, skip=skip, count=count, step=step)
-            present, slabs = self._acquire(
-                connection, session, count, None if skip is not None else keys
-            )
+            present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
+            slabs = self._acquire(connection, session, min(count, len(keys) - present))
             self._sending.begin()  # this store's chunks travel in one call
-            return (present if skip is None else skip), Reserved(slabs, done=self._sending.end)
+            return present, Reserved(slabs, done=self._sending.end)
         except SidecarUnavailable:
             return len(keys), Reserved()  # nothing can be stored now: skip it all
 
     def _acquire(
-        self,
-        connection: Connection,
-        session: ClientSession,
-        count: int,
-        keys: Sequence[ChunkKey] | None,
-    ) -> tuple[int, list[SlabHandle]]:
-        """Slabs to fill (the shared pool's, or this process's when streaming) and,
-        with ``keys``, how many leading keys the sidecar already holds."""
+        self, connection: Connection, session: ClientSession, count: int
+    ) -> list[SlabHandle]:
+        """Slabs to fill: the shared pool's (one AcquireSlabs), or this process's when
+        streaming."""
         if session.pool is None:
-            present = 0 if keys is None else self._lookup(keys, local_only=True).num_chunks
-            if keys is not None:
-                count = min(count, len(keys) - present)
-            return present, self._sending.acquire(self._local_pool(), count)
+            return self._sending.acquire(self._local_pool(), count)
         request = pb.AcquireSlabsRequest(
             session_id=session.id, count=count, release=connection.take_releases(session)
         )
-        if keys is not None:
-            request.keys = b"".join(keys)
         sent = time.monotonic()
         reply = connection.unary(session, "AcquireSlabs", request)
-        return reply.present, granted_slabs(connection, session, reply, sent)
+        return granted_slabs(connection, session, reply, sent)
 
     def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
         return self._hand_over(encoded)()

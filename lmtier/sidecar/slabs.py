@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmtier.chunks.keys import ChunkKey
+from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.errors import HandleError
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.storage.check import ChunkCheck
@@ -170,8 +170,8 @@ def reserve_shared(
     )
     rest = pb.AcquireSlabsRequest(session_id=session.id, count=count - step)
     if skip is None:
-        first.keys = b"".join(keys)
-        rest.keys = b"".join(keys[step:])
+        first.keys = joined = b"".join(keys)
+        rest.keys = joined[step * KEY_BYTES :]
     sent = time.monotonic()
     answer = connection.start(session, "AcquireSlabs", first)
     coming: list[Callable[[], list[SlabHandle]]] = []
