@@ -80,6 +80,7 @@ from remote_facade import cpu_burner
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier.sidecar.heap import keep_freed_memory
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
@@ -735,6 +736,9 @@ def main() -> None:
     )
     parser.add_argument("--raw-server", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # As `lmtier serve` does: the raw server and this process (both streaming clients)
+    # reuse freed 2 MiB message buffers instead of faulting their pages in again.
+    keep_freed_memory()
     if args.raw_server:
         raw_server(args.raw_server)
         return

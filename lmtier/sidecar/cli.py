@@ -15,6 +15,7 @@ __all__ = ["register"]
 
 
 def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
+    from lmtier.sidecar.heap import keep_freed_memory  # noqa: PLC0415
     from lmtier.sidecar.logs import setup_logging  # noqa: PLC0415 - the grpc extra
     from lmtier.sidecar.server import serve  # noqa: PLC0415
 
@@ -27,6 +28,7 @@ def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
     for handler in list(root.handlers):  # the CLI's plain handler: one line per record
         root.removeHandler(handler)
     setup_logging(args.log_level, json=not args.plain_logs)
+    keep_freed_memory()  # streamed chunks reuse freed buffers instead of faulting pages in
     return asyncio.run(serve(config, args.listen))
 
 

@@ -44,7 +44,7 @@ from lmtier.sidecar.slabs import (
     leased_chunks,
     reserve_shared,
 )
-from lmtier.sidecar.streaming import StoreStreams, receive_chunks
+from lmtier.sidecar.streaming import StoreStreams, in_messages, receive_chunks
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 from lmtier.storage.manager import EvictListener
@@ -293,6 +293,9 @@ class SidecarClient(LMTier):
                 return reserve_shared(connection, session, keys, skip=skip, count=count, step=step)
             present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
             slabs = self._acquire(connection, session, min(count, len(keys) - present))
+            # Each chunk written straight into the message that carries it.
+            size = self._framer.template.encoded_size
+            slabs = in_messages(self._local_pool(), slabs, session.id, size)
             self._sending.begin()  # this store's chunks travel in one call
             return present, Reserved(slabs, done=self._sending.end)
         except SidecarUnavailable:

@@ -15,14 +15,19 @@ bytes are copied once on each side.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
+from lmtier.chunks.keys import KEY_BYTES
 from lmtier.errors import InvalidRequestError
 
 __all__ = [
     "PIECE_BYTES",
     "Piece",
+    "PieceBuffer",
     "chunk_pieces",
     "decode_piece",
     "encode_piece",
@@ -47,12 +52,14 @@ def piece_offsets(length: int, limit: int) -> tuple[range, int]:
     return range(0, length, step), step
 
 
-def _varint(value: int) -> bytes:
+def _varint(value: int, size: int = 0) -> bytes:
+    """``value`` as a protobuf varint, padded to ``size`` bytes with continuation bytes
+    (an overlong encoding: parsers read up to 10 bytes, and the same value)."""
     out = bytearray()
     while True:
         low = value & 0x7F
         value >>= 7
-        if value:
+        if value or len(out) + 1 < size:
             out.append(low | 0x80)
         else:
             out.append(low)
@@ -87,6 +94,64 @@ def encode_piece(
     if tier:
         parts += _field(_TIER, tier.encode())
     return b"".join(parts)
+
+
+# A new bytes object of a given size, not yet filled, and its data's address: CPython's
+# API for filling one in place before anyone else sees it (PieceBuffer does, and only
+# then). Written through a ctypes array over it, which keeps the bytes alive.
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_new_bytes.restype = ctypes.py_object
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.argtypes = [ctypes.py_object]
+_bytes_data.restype = ctypes.c_void_p
+_DATA_ALIGN = 8  # the data starts 8-aligned in the message (bytes' own data is 16-aligned)
+
+
+class PieceBuffer:
+    """The one ``ChunkPiece`` of a whole ``length``-byte chunk, made before the chunk
+    is written so that it is written straight into the message: a streaming store's
+    copy of the KV is then its only one before grpc's (:func:`encode_piece` copies a
+    chunk once more, out of its slab). ``view`` and ``tensor`` are the data field, to
+    fill; :meth:`seal` writes the key and hands out the message. The session is in
+    every such piece (the sidecar reads the first's); the two length varints are
+    padded so the data starts 8-aligned."""
+
+    __slots__ = ("_key_at", "_raw", "length", "message", "tensor", "view")
+
+    def __init__(self, session_id: bytes, length: int) -> None:
+        head = b"".join(
+            [*_field(_SESSION, session_id), _varint(_KEY << 3 | _LEN), _varint(KEY_BYTES)]
+        )
+        natural = len(_varint(length))
+        pad = -(len(head) + KEY_BYTES + 2 + 2 * natural) % _DATA_ALIGN
+        tail = b"".join(
+            [
+                _varint(_TOTAL << 3 | _VARINT),
+                _varint(length, natural + (pad + 1) // 2),
+                _varint(_DATA << 3 | _LEN),
+                _varint(length, natural + pad // 2),
+            ]
+        )
+        key_at, data_at = len(head), len(head) + KEY_BYTES + len(tail)
+        self.length = length
+        self.message: bytes = _new_bytes(None, data_at + length)
+        array = (ctypes.c_char * len(self.message)).from_address(_bytes_data(self.message))
+        array.owner = self.message  # type: ignore[attr-defined]  # tensor -> array -> bytes
+        whole = torch.frombuffer(array, dtype=torch.uint8)
+        self._raw: memoryview = whole.numpy().data
+        self._raw[:key_at] = head
+        self._raw[key_at + KEY_BYTES : data_at] = tail
+        self._key_at = key_at
+        self.tensor = whole[data_at:]
+        self.view = self._raw[data_at:]
+
+    def seal(self, key: bytes) -> bytes:
+        """The message, with ``key`` written in; the buffer is not to be written after."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(key)}")
+        self._raw[self._key_at : self._key_at + KEY_BYTES] = key
+        return self.message
 
 
 def chunk_pieces(

@@ -11,15 +11,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import torch
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.sidecar.connection import Connection
-from lmtier.sidecar.pieces import PIECE_BYTES, chunk_pieces, decode_piece
+from lmtier.sidecar.pieces import PIECE_BYTES, PieceBuffer, chunk_pieces, decode_piece
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["StoreSending", "StoreStreams", "receive_chunks"]
+__all__ = ["MessageSlab", "StoreSending", "StoreStreams", "in_messages", "receive_chunks"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,59 @@ def receive_chunks(
     for partial in handles[whole:]:
         partial.release()
     return handles[:whole], meta[:whole]
+
+
+class MessageSlab(SlabHandle):
+    """A slab of the private pool whose chunk is written into its outgoing message
+    (a :class:`~lmtier.sidecar.pieces.PieceBuffer`) instead: ``view`` and ``tensor``
+    are the message's data field. The slab itself stays unused but held until the
+    message is sent, so the pool bounds what a store holds, as with plain slabs."""
+
+    __slots__ = ("_budget", "_buffer")
+
+    def __init__(self, pool: HostPool, budget: SlabHandle, buffer: PieceBuffer) -> None:
+        super().__init__(pool, budget.index)
+        self._budget = budget
+        self._buffer = buffer
+
+    @property
+    def refcount(self) -> int:
+        return 0 if self._released else 1
+
+    @property
+    def view(self) -> memoryview:
+        self._check_usable("view")
+        return self._buffer.view
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        self._check_usable("tensor")
+        return self._buffer.tensor
+
+    def message(self, key: ChunkKey, length: int) -> bytes | None:
+        """The chunk's one message, if it was written whole (``length`` is the size it
+        was made for); None: send it from :attr:`view` instead."""
+        self._check_usable("message")
+        return self._buffer.seal(key) if length == self._buffer.length else None
+
+    def share(self) -> SlabHandle:
+        raise HandleError("a message slab has one owner: copy out of it instead")
+
+    def release(self) -> None:
+        if self._released:
+            raise HandleError("a message slab released twice")
+        self._released = True
+        self._budget.release()
+
+
+def in_messages(
+    pool: HostPool, slabs: list[SlabHandle], session_id: bytes, length: int
+) -> list[SlabHandle]:
+    """``slabs`` of ``pool`` as :class:`MessageSlab` leases for chunks of ``length``
+    bytes (when one fits a message; else as they are)."""
+    if length > PIECE_BYTES:
+        return slabs
+    return [MessageSlab(pool, slab, PieceBuffer(session_id, length)) for slab in slabs]
 
 
 class StoreSending:
@@ -118,10 +172,15 @@ class StoreSending:
                     return
                 key, handle, length = self._items[0]
                 try:
+                    whole = handle.message(key, length) if isinstance(handle, MessageSlab) else None
                     view = handle.view
                 except HandleError:  # the client closed its pool: the call is over
                     return
-                pieces = list(chunk_pieces(key, view, length, PIECE_BYTES, session_id=session))
+                pieces = (
+                    [whole]
+                    if whole is not None
+                    else list(chunk_pieces(key, view, length, PIECE_BYTES, session_id=session))
+                )
                 self._items.popleft()
                 handle.release()
                 self._changed.notify_all()  # a slab is free

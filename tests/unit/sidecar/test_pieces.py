@@ -1,0 +1,95 @@
+"""A streamed chunk's messages as this client writes them: the pieces protobuf reads,
+and a streaming store's chunk written straight into its message."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from lmtier.errors import HandleError
+from lmtier.sidecar.pieces import PIECE_BYTES, PieceBuffer, chunk_pieces, decode_piece
+from lmtier.sidecar.streaming import MessageSlab, in_messages
+from lmtier.storage.memory import HostPool
+from lmtier.v1 import sidecar_pb2 as pb
+
+SESSION = bytes(range(16))
+KEY = bytes(range(100, 132))
+
+
+@pytest.mark.parametrize("length", [1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**21 + 4160])
+def test_a_piece_buffer_is_the_piece_protobuf_reads_with_its_data_8_aligned(length: int) -> None:
+    buffer = PieceBuffer(SESSION, length)
+    data = os.urandom(length)
+    buffer.view[:] = data
+    assert len(buffer.view) == buffer.tensor.numel() == length
+    assert buffer.tensor.data_ptr() % 8 == 0
+    message = buffer.seal(KEY)
+    parsed = pb.ChunkPiece.FromString(message)
+    assert (parsed.session_id, parsed.key, parsed.total_length, parsed.offset) == (
+        SESSION,
+        KEY,
+        length,
+        0,
+    )
+    assert parsed.data == data
+    ours = decode_piece(message)
+    assert (ours.session_id, ours.key, ours.total_length, bytes(ours.data)) == (
+        SESSION,
+        KEY,
+        length,
+        data,
+    )
+
+
+def test_a_piece_buffer_takes_only_a_whole_key() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        PieceBuffer(SESSION, 64).seal(KEY[:31])
+
+
+def test_chunk_pieces_cut_a_chunk_protobuf_reassembles() -> None:
+    data = os.urandom(10_000)
+    pieces = [pb.ChunkPiece.FromString(p) for p in chunk_pieces(KEY, memoryview(data), 9000, 4096)]
+    assert [p.offset for p in pieces] == [0, 3000, 6000]
+    assert pieces[0].key == KEY and pieces[0].total_length == 9000
+    assert b"".join(p.data for p in pieces) == data[:9000]
+
+
+@pytest.fixture
+def pool() -> Iterator[HostPool]:
+    pool = HostPool.for_chunks(4096, 3 * 4096, align=64)
+    yield pool
+    pool.close()
+
+
+def test_a_message_slab_is_sent_as_its_message_and_holds_a_slab_until_released(
+    pool: HostPool,
+) -> None:
+    slabs = in_messages(pool, [pool.acquire(), pool.acquire()], SESSION, 3000)
+    assert all(isinstance(slab, MessageSlab) for slab in slabs) and pool.num_free == 1
+    first = slabs[0]
+    assert isinstance(first, MessageSlab)
+    first.view[:] = b"x" * 3000
+    assert first.message(KEY, 2999) is None  # not the length it was made for: send the view
+    message = first.message(KEY, 3000)
+    assert message is not None and pb.ChunkPiece.FromString(message).data == b"x" * 3000
+    first.release()
+    assert pool.num_free == 2
+    with pytest.raises(HandleError):
+        first.release()
+    with pytest.raises(HandleError):
+        _ = first.view
+    with pytest.raises(HandleError):
+        first.share()
+    pool.close()
+    with pytest.raises(HandleError):  # the client closed its pool: nothing is sent
+        slabs[1].message(KEY, 3000)
+    slabs[1].release()  # releasing after the close is allowed, as for any slab
+
+
+def test_a_chunk_bigger_than_a_message_keeps_its_slab(pool: HostPool) -> None:
+    slab = pool.acquire()
+    assert slab is not None
+    assert in_messages(pool, [slab], SESSION, PIECE_BYTES + 1) == [slab]
+    slab.release()
