@@ -32,10 +32,13 @@ head_dim 64) float32 model: 8 KiB of KV per token, 2 MiB chunks of 256 tokens.
    message per 2 MiB chunk
    pieces) against a raw grpcio stream of the same bytes in the same piece size: a
    grpc.aio server in its own process on a unix socket with generic handlers and
-   bytes passthrough (no protobuf): Download yields one ready 2 MiB ``bytes`` per
-   piece, the client copies each into a preallocated buffer; Upload sends
-   ``bytes`` slices of the KV tensor, the server copies each into a preallocated
-   buffer. Target >= 0.9x.
+   bytes passthrough (no protobuf): Download yields ready 2 MiB ``bytes``, distinct
+   pieces (not one piece N times, which would stay in cache), the client copies each
+   into its place in a preallocated buffer; Upload sends ``bytes`` slices of the KV
+   tensor, the server copies each into its place in a buffer of the whole upload (as
+   a store puts chunks in slabs; until 2026-12-02 all into one 2 MiB buffer, which
+   ran 3-15% faster). Both processes keep freed message buffers as ``lmtier serve``
+   does (:mod:`lmtier.sidecar.heap`). Target >= 0.9x.
 4. ``concurrency``: 1, 2, 4, 8 client processes (spawn, each its own
    ``LMTier.connect``), each looping lookup (LOOP_CHUNKS cached chunks) -> load with
    ``kv(out=)`` -> store of STORE_CHUNKS fresh chunks for a few seconds; aggregate
@@ -351,17 +354,24 @@ def raw_server(path: str) -> None:
     """A raw grpcio server (``--raw-server PATH``): generic handlers, bytes passthrough."""
 
     async def serve() -> None:
-        piece = os.urandom(RAW_PIECE)
-        sink = bytearray(RAW_PIECE)
+        # The same bytes as the sidecar moves: distinct pieces, as many as asked (one
+        # piece sent N times would stay in cache, as no N pieces of KV do), and an
+        # upload put in place piece after piece, as a store puts its chunks.
+        ready: list[bytes] = []
+        sink = bytearray()
 
         async def download(request: bytes, context: Any) -> AsyncIterator[bytes]:
-            for _ in range(int.from_bytes(request[:8], "little")):
+            count = int.from_bytes(request[:8], "little")
+            ready.extend(os.urandom(RAW_PIECE) for _ in range(count - len(ready)))
+            for piece in ready[:count]:
                 yield piece
 
         async def upload(pieces: AsyncIterator[bytes], context: Any) -> bytes:
             total = 0
             async for data in pieces:
-                sink[: len(data)] = data  # as a store puts the bytes somewhere
+                if total + len(data) > len(sink):
+                    sink.extend(bytes(total + len(data) - len(sink)))
+                sink[total : total + len(data)] = data
                 total += len(data)
             return total.to_bytes(8, "little")
 

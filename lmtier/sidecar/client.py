@@ -36,6 +36,7 @@ from lmtier.kv_spec import KVSpec
 from lmtier.maintenance import checked_keys
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
+from lmtier.sidecar.heap import reuses_freed_memory
 from lmtier.sidecar.slabs import (
     LEASE_MARGIN,
     RemoteSlab,
@@ -293,9 +294,9 @@ class SidecarClient(LMTier):
                 return reserve_shared(connection, session, keys, skip=skip, count=count, step=step)
             present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
             slabs = self._acquire(connection, session, min(count, len(keys) - present))
-            # Each chunk written straight into the message that carries it.
-            size = self._framer.template.encoded_size
-            slabs = in_messages(self._local_pool(), slabs, session.id, size)
+            if reuses_freed_memory():  # each chunk written into the message that carries it
+                size = self._framer.template.encoded_size
+                slabs = in_messages(self._local_pool(), slabs, session.id, size)
             self._sending.begin()  # this store's chunks travel in one call
             return present, Reserved(slabs, done=self._sending.end)
         except SidecarUnavailable:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from sidecar_client import connect, digest, kv_of, prompt
 
+import lmtier.sidecar.client as client_module
 from lmtier import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
@@ -69,6 +70,25 @@ def observer(sidecar: SidecarProcess) -> Iterator[LMTier]:
     cache.close()
 
 
+@pytest.fixture(params=[False, True], ids=["copied", "in-place"])
+def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """Streaming stores either way: chunks copied out of private slabs into their
+    messages (glibc's defaults), or written into the messages themselves (a process
+    that keeps freed memory, as the sidecar's benchmarks and ``lmtier serve`` do)."""
+    wrapped: list[int] = []
+    real = client_module.in_messages
+
+    def counting(*args: Any) -> Any:
+        slabs = real(*args)
+        wrapped.append(len(slabs))
+        return slabs
+
+    monkeypatch.setattr(client_module, "reuses_freed_memory", lambda: request.param)
+    monkeypatch.setattr(client_module, "in_messages", counting)
+    yield request.param
+    assert bool(wrapped) == request.param  # the path asked for was the one taken
+
+
 def gauges(cache: LMTier) -> dict[str, float]:
     found = cache.stats().get("sidecar", {})
     return {k: float(v) for k, v in found.items()}  # type: ignore[arg-type]
@@ -97,7 +117,7 @@ def test_streaming_store_is_loaded_through_shared_memory(
 
 
 def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
-    sidecar: SidecarProcess, observer: LMTier
+    sidecar: SidecarProcess, observer: LMTier, in_place: bool
 ) -> None:
     # One private slab: each chunk's StoreStream must end (and give it back) before
     # the next chunk is copied; nothing is dropped.
@@ -112,7 +132,7 @@ def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
 
 
 def test_threads_of_one_streaming_client_store_and_load_bit_exact(
-    sidecar: SidecarProcess,
+    sidecar: SidecarProcess, in_place: bool
 ) -> None:
     # Four threads share one client, its private pool and its store calls in flight
     # (eight prompts, 48 chunks: within the sidecar's CPU tier, so none is evicted).
@@ -140,7 +160,7 @@ def test_threads_of_one_streaming_client_store_and_load_bit_exact(
 
 
 def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
-    sidecar: SidecarProcess, observer: LMTier
+    sidecar: SidecarProcess, observer: LMTier, in_place: bool
 ) -> None:
     ids, kv = prompt(13, TOKENS), kv_of(13, TOKENS)
     client = connect(sidecar.target, stream=True, timeout_s=1.0, staging_bytes=4 << 20)
@@ -387,7 +407,9 @@ def test_store_keys_with_skip_stores_only_the_chunks_after_it(
         cache.close()
 
 
-def test_a_streaming_store_longer_than_one_call_is_stored_whole(tmp_path: Path) -> None:
+def test_a_streaming_store_longer_than_one_call_is_stored_whole(
+    tmp_path: Path, in_place: bool
+) -> None:
     """A store's chunks travel in one StoreStream fed as they are copied, and in a
     new one past a private pool's worth of chunks: every chunk arrives, in order."""
     settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
