@@ -293,11 +293,12 @@ class SidecarClient(LMTier):
                 step = self.store_batch
                 return reserve_shared(connection, session, keys, skip=skip, count=count, step=step)
             present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
-            slabs = self._acquire(connection, session, min(count, len(keys) - present))
-            if reuses_freed_memory():  # each chunk written into the message that carries it
-                size = self._framer.template.encoded_size
-                slabs = in_messages(self._local_pool(), slabs, session.id, size)
             self._sending.begin()  # this store's chunks travel in one call
+            try:
+                slabs = self._acquire(connection, session, min(count, len(keys) - present))
+            except BaseException:
+                self._sending.end()
+                raise
             return present, Reserved(slabs, done=self._sending.end)
         except SidecarUnavailable:
             return len(keys), Reserved()  # nothing can be stored now: skip it all
@@ -308,7 +309,11 @@ class SidecarClient(LMTier):
         """Slabs to fill: the shared pool's (one AcquireSlabs), or this process's when
         streaming."""
         if session.pool is None:
-            return self._sending.acquire(self._local_pool(), count)
+            slabs = self._sending.acquire(self._local_pool(), count)
+            if self._sending.storing and reuses_freed_memory():  # each chunk into its message
+                size = self._framer.template.encoded_size
+                slabs = in_messages(self._local_pool(), slabs, session.id, size)
+            return slabs
         request = pb.AcquireSlabsRequest(
             session_id=session.id, count=count, release=connection.take_releases(session)
         )

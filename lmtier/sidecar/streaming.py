@@ -68,16 +68,18 @@ def receive_chunks(
 
 class MessageSlab(SlabHandle):
     """A slab of the private pool whose chunk is written into its outgoing message
-    (a :class:`~lmtier.sidecar.pieces.PieceBuffer`) instead: ``view`` and ``tensor``
-    are the message's data field. The slab itself stays unused but held until the
-    message is sent, so the pool bounds what a store holds, as with plain slabs."""
+    instead (a :class:`~lmtier.sidecar.pieces.PieceBuffer`, made when the chunk is
+    written): ``view`` and ``tensor`` are the message's data field. The slab itself
+    stays unused but held until the message is sent, so the pool bounds what a store
+    holds, as with plain slabs."""
 
-    __slots__ = ("_budget", "_buffer")
+    __slots__ = ("_budget", "_buffer", "_length", "_session_id")
 
-    def __init__(self, pool: HostPool, budget: SlabHandle, buffer: PieceBuffer) -> None:
+    def __init__(self, pool: HostPool, budget: SlabHandle, session_id: bytes, length: int) -> None:
         super().__init__(pool, budget.index)
         self._budget = budget
-        self._buffer = buffer
+        self._session_id, self._length = session_id, length
+        self._buffer: PieceBuffer | None = None
 
     @property
     def refcount(self) -> int:
@@ -85,19 +87,27 @@ class MessageSlab(SlabHandle):
 
     @property
     def view(self) -> memoryview:
-        self._check_usable("view")
-        return self._buffer.view
+        return self._written("view").view
 
     @property
     def tensor(self) -> torch.Tensor:
-        self._check_usable("tensor")
-        return self._buffer.tensor
+        return self._written("tensor").tensor
 
-    def message(self, key: ChunkKey, length: int) -> bytes | None:
-        """The chunk's one message, if it was written whole (``length`` is the size it
-        was made for); None: send it from :attr:`view` instead."""
+    def _written(self, what: str) -> PieceBuffer:
+        self._check_usable(what)
+        if self._buffer is None:
+            self._buffer = PieceBuffer(self._session_id, self._length)
+        return self._buffer
+
+    def message(self, key: ChunkKey, length: int, session_id: bytes) -> bytes | None:
+        """The chunk's one message, if it was written whole, for the call's session
+        (``length`` and ``session_id`` are those it was made for); None: send it from
+        :attr:`view` instead."""
         self._check_usable("message")
-        return self._buffer.seal(key) if length == self._buffer.length else None
+        buffer = self._buffer
+        if buffer is None or length != buffer.length or session_id != self._session_id:
+            return None
+        return buffer.seal(key)
 
     def share(self) -> SlabHandle:
         raise HandleError("a message slab has one owner: copy out of it instead")
@@ -106,6 +116,7 @@ class MessageSlab(SlabHandle):
         if self._released:
             raise HandleError("a message slab released twice")
         self._released = True
+        self._buffer = None
         self._budget.release()
 
 
@@ -116,7 +127,7 @@ def in_messages(
     bytes (when one fits a message; else as they are)."""
     if length > PIECE_BYTES:
         return slabs
-    return [MessageSlab(pool, slab, PieceBuffer(session_id, length)) for slab in slabs]
+    return [MessageSlab(pool, slab, session_id, length) for slab in slabs]
 
 
 class StoreSending:
@@ -172,7 +183,11 @@ class StoreSending:
                     return
                 key, handle, length = self._items[0]
                 try:
-                    whole = handle.message(key, length) if isinstance(handle, MessageSlab) else None
+                    whole = (
+                        handle.message(key, length, self.session_id)
+                        if isinstance(handle, MessageSlab)
+                        else None
+                    )
                     view = handle.view
                 except HandleError:  # the client closed its pool: the call is over
                     return
@@ -252,6 +267,11 @@ class StoreStreams:
     def begin(self) -> None:
         """This thread starts a store: its hand-overs feed one call until :meth:`end`."""
         self._store.active, self._store.call = True, None
+
+    @property
+    def storing(self) -> bool:
+        """Whether this thread is inside a store (between :meth:`begin` and :meth:`end`)."""
+        return bool(getattr(self._store, "active", False))
 
     def end(self) -> None:
         """This thread's store has handed over its last chunk."""

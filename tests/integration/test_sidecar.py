@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ import lmtier.sidecar.client as client_module
 from lmtier import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
+from lmtier.sidecar.streaming import MessageSlab
 from lmtier.testing.sidecar import SidecarProcess
 
 pytestmark = pytest.mark.integration
@@ -70,23 +71,28 @@ def observer(sidecar: SidecarProcess) -> Iterator[LMTier]:
     cache.close()
 
 
+class InPlace(NamedTuple):
+    enabled: bool
+    sent: list[int]  # chunks sent as the message they were written into
+
+
 @pytest.fixture(params=[False, True], ids=["copied", "in-place"])
-def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[InPlace]:
     """Streaming stores either way: chunks copied out of private slabs into their
     messages (glibc's defaults), or written into the messages themselves (a process
     that keeps freed memory, as the sidecar's benchmarks and ``lmtier serve`` do)."""
-    wrapped: list[int] = []
-    real = client_module.in_messages
+    state = InPlace(request.param, [])
+    real = MessageSlab.message
 
-    def counting(*args: Any) -> Any:
-        slabs = real(*args)
-        wrapped.append(len(slabs))
-        return slabs
+    def counting(slab: MessageSlab, *args: Any) -> bytes | None:
+        message = real(slab, *args)
+        state.sent.append(message is not None)
+        return message
 
     monkeypatch.setattr(client_module, "reuses_freed_memory", lambda: request.param)
-    monkeypatch.setattr(client_module, "in_messages", counting)
-    yield request.param
-    assert bool(wrapped) == request.param  # the path asked for was the one taken
+    monkeypatch.setattr(MessageSlab, "message", counting)
+    yield state
+    assert any(state.sent) == request.param  # the path asked for was the one taken
 
 
 def gauges(cache: LMTier) -> dict[str, float]:
@@ -117,7 +123,7 @@ def test_streaming_store_is_loaded_through_shared_memory(
 
 
 def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
-    sidecar: SidecarProcess, observer: LMTier, in_place: bool
+    sidecar: SidecarProcess, observer: LMTier, in_place: InPlace
 ) -> None:
     # One private slab: each chunk's StoreStream must end (and give it back) before
     # the next chunk is copied; nothing is dropped.
@@ -132,7 +138,7 @@ def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
 
 
 def test_threads_of_one_streaming_client_store_and_load_bit_exact(
-    sidecar: SidecarProcess, in_place: bool
+    sidecar: SidecarProcess, in_place: InPlace
 ) -> None:
     # Four threads share one client, its private pool and its store calls in flight
     # (eight prompts, 48 chunks: within the sidecar's CPU tier, so none is evicted).
@@ -160,7 +166,7 @@ def test_threads_of_one_streaming_client_store_and_load_bit_exact(
 
 
 def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
-    sidecar: SidecarProcess, observer: LMTier, in_place: bool
+    sidecar: SidecarProcess, observer: LMTier, in_place: InPlace
 ) -> None:
     ids, kv = prompt(13, TOKENS), kv_of(13, TOKENS)
     client = connect(sidecar.target, stream=True, timeout_s=1.0, staging_bytes=4 << 20)
@@ -408,7 +414,7 @@ def test_store_keys_with_skip_stores_only_the_chunks_after_it(
 
 
 def test_a_streaming_store_longer_than_one_call_is_stored_whole(
-    tmp_path: Path, in_place: bool
+    tmp_path: Path, in_place: InPlace
 ) -> None:
     """A store's chunks travel in one StoreStream fed as they are copied, and in a
     new one past a private pool's worth of chunks: every chunk arrives, in order."""
@@ -421,6 +427,7 @@ def test_a_streaming_store_longer_than_one_call_is_stored_whole(
         chunks = 70
         ids, kv = prompt(50, chunks * 256), kv_of(50, chunks * 256)
         assert client.store(ids, kv) == chunks  # in 5 calls, through a pool of 15 slabs
+        assert sum(in_place.sent) == (chunks if in_place.enabled else 0)
         assert client.host_memory().slabs == 15
         assert client.host_memory().slabs_in_use == 0
         with reader.load(ids) as hit:

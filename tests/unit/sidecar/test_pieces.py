@@ -70,10 +70,14 @@ def test_a_message_slab_is_sent_as_its_message_and_holds_a_slab_until_released(
     assert all(isinstance(slab, MessageSlab) for slab in slabs) and pool.num_free == 1
     first = slabs[0]
     assert isinstance(first, MessageSlab)
+    assert first.message(KEY, 3000, SESSION) is None  # nothing written: no message made yet
     first.view[:] = b"x" * 3000
-    assert first.message(KEY, 2999) is None  # not the length it was made for: send the view
-    message = first.message(KEY, 3000)
-    assert message is not None and pb.ChunkPiece.FromString(message).data == b"x" * 3000
+    assert first.message(KEY, 2999, SESSION) is None  # not the length it was made for
+    assert first.message(KEY, 3000, bytes(16)) is None  # another call's session
+    message = first.message(KEY, 3000, SESSION)
+    assert message is not None
+    parsed = pb.ChunkPiece.FromString(message)
+    assert (parsed.data, parsed.key, parsed.session_id) == (b"x" * 3000, KEY, SESSION)
     first.release()
     assert pool.num_free == 2
     with pytest.raises(HandleError):
@@ -84,7 +88,7 @@ def test_a_message_slab_is_sent_as_its_message_and_holds_a_slab_until_released(
         first.share()
     pool.close()
     with pytest.raises(HandleError):  # the client closed its pool: nothing is sent
-        slabs[1].message(KEY, 3000)
+        slabs[1].message(KEY, 3000, SESSION)
     slabs[1].release()  # releasing after the close is allowed, as for any slab
 
 
