@@ -309,10 +309,10 @@ class SidecarClient(LMTier):
         """Slabs to fill: the shared pool's (one AcquireSlabs), or this process's when
         streaming."""
         if session.pool is None:
-            slabs = self._sending.acquire(self._local_pool(), count)
+            pool = self._local_pool()
+            slabs = self._sending.acquire(pool, count)
             if self._sending.storing and reuses_freed_memory():  # each chunk into its message
-                size = self._framer.template.encoded_size
-                slabs = in_messages(self._local_pool(), slabs, session.id, size)
+                slabs = in_messages(pool, slabs, session.id, self._framer.template.encoded_size)
             return slabs
         request = pb.AcquireSlabsRequest(
             session_id=session.id, count=count, release=connection.take_releases(session)

@@ -16,6 +16,7 @@ bytes are copied once on each side.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -108,6 +109,24 @@ _bytes_data.restype = ctypes.c_void_p
 _DATA_ALIGN = 8  # the data starts 8-aligned in the message (bytes' own data is 16-aligned)
 
 
+@functools.lru_cache(maxsize=64)
+def _piece_frame(session_id: bytes, length: int) -> tuple[bytes, bytes]:
+    """The bytes of a whole chunk's piece before its key and between its key and its
+    data, the same for every chunk of a session and size (one store's, cached)."""
+    head = b"".join([*_field(_SESSION, session_id), _varint(_KEY << 3 | _LEN), _varint(KEY_BYTES)])
+    natural = len(_varint(length))
+    pad = -(len(head) + KEY_BYTES + 2 + 2 * natural) % _DATA_ALIGN
+    tail = b"".join(
+        [
+            _varint(_TOTAL << 3 | _VARINT),
+            _varint(length, natural + (pad + 1) // 2),
+            _varint(_DATA << 3 | _LEN),
+            _varint(length, natural + pad // 2),
+        ]
+    )
+    return head, tail
+
+
 class PieceBuffer:
     """The one ``ChunkPiece`` of a whole ``length``-byte chunk, made before the chunk
     is written so that it is written straight into the message: a streaming store's
@@ -120,19 +139,7 @@ class PieceBuffer:
     __slots__ = ("_key_at", "_raw", "length", "message", "tensor", "view")
 
     def __init__(self, session_id: bytes, length: int) -> None:
-        head = b"".join(
-            [*_field(_SESSION, session_id), _varint(_KEY << 3 | _LEN), _varint(KEY_BYTES)]
-        )
-        natural = len(_varint(length))
-        pad = -(len(head) + KEY_BYTES + 2 + 2 * natural) % _DATA_ALIGN
-        tail = b"".join(
-            [
-                _varint(_TOTAL << 3 | _VARINT),
-                _varint(length, natural + (pad + 1) // 2),
-                _varint(_DATA << 3 | _LEN),
-                _varint(length, natural + pad // 2),
-            ]
-        )
+        head, tail = _piece_frame(session_id, length)
         key_at, data_at = len(head), len(head) + KEY_BYTES + len(tail)
         self.length = length
         self.message: bytes = _new_bytes(None, data_at + length)

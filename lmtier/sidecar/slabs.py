@@ -19,7 +19,7 @@ from lmtier.errors import HandleError
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.memory import HostPool, SlabHandle, SoleLease
 from lmtier.storing import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 
@@ -37,7 +37,7 @@ LEASE_MARGIN = 0.9
 sidecar may reclaim it."""
 
 
-class RemoteSlab(SlabHandle):
+class RemoteSlab(SoleLease):
     """A lease on a slab of the sidecar's shared pool (module docstring). One owner:
     :meth:`share` is refused; :meth:`release` queues the end of the lease."""
 
@@ -67,17 +67,7 @@ class RemoteSlab(SlabHandle):
     def session(self) -> ClientSession:
         return self._session
 
-    @property
-    def refcount(self) -> int:
-        return 0 if self._released else 1
-
-    def share(self) -> SlabHandle:
-        raise HandleError("a sidecar slab has one owner here: copy out of it instead")
-
-    def release(self) -> None:
-        if self._released:
-            raise HandleError(f"slab {self._index}: lease released twice")
-        self._released = True
+    def _end(self) -> None:
         self._connection.release(self._session, self._lease)
 
     def handed_over(self) -> None:

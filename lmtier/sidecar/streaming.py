@@ -17,7 +17,7 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.sidecar.connection import Connection
 from lmtier.sidecar.pieces import PIECE_BYTES, PieceBuffer, chunk_pieces, decode_piece
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.memory import HostPool, SlabHandle, SoleLease
 from lmtier.v1 import sidecar_pb2 as pb
 
 __all__ = ["MessageSlab", "StoreSending", "StoreStreams", "in_messages", "receive_chunks"]
@@ -66,7 +66,7 @@ def receive_chunks(
     return handles[:whole], meta[:whole]
 
 
-class MessageSlab(SlabHandle):
+class MessageSlab(SoleLease):
     """A slab of the private pool whose chunk is written into its outgoing message
     instead (a :class:`~lmtier.sidecar.pieces.PieceBuffer`, made when the chunk is
     written): ``view`` and ``tensor`` are the message's data field. The slab itself
@@ -80,10 +80,6 @@ class MessageSlab(SlabHandle):
         self._budget = budget
         self._session_id, self._length = session_id, length
         self._buffer: PieceBuffer | None = None
-
-    @property
-    def refcount(self) -> int:
-        return 0 if self._released else 1
 
     @property
     def view(self) -> memoryview:
@@ -109,13 +105,7 @@ class MessageSlab(SlabHandle):
             return None
         return buffer.seal(key)
 
-    def share(self) -> SlabHandle:
-        raise HandleError("a message slab has one owner: copy out of it instead")
-
-    def release(self) -> None:
-        if self._released:
-            raise HandleError("a message slab released twice")
-        self._released = True
+    def _end(self) -> None:
         self._buffer = None
         self._budget.release()
 
@@ -188,14 +178,15 @@ class StoreSending:
                         if isinstance(handle, MessageSlab)
                         else None
                     )
-                    view = handle.view
+                    pieces = (
+                        [whole]
+                        if whole is not None
+                        else list(
+                            chunk_pieces(key, handle.view, length, PIECE_BYTES, session_id=session)
+                        )
+                    )
                 except HandleError:  # the client closed its pool: the call is over
                     return
-                pieces = (
-                    [whole]
-                    if whole is not None
-                    else list(chunk_pieces(key, view, length, PIECE_BYTES, session_id=session))
-                )
                 self._items.popleft()
                 handle.release()
                 self._changed.notify_all()  # a slab is free

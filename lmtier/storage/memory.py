@@ -47,7 +47,14 @@ from lmtier.config import LMTierConfig
 from lmtier.config.sizes import format_size
 from lmtier.errors import CapacityError, ConfigError, HandleError
 
-__all__ = ["DIRECT_IO_ALIGN", "HostPool", "SlabHandle", "open_host_pool", "physical_memory_bytes"]
+__all__ = [
+    "DIRECT_IO_ALIGN",
+    "HostPool",
+    "SlabHandle",
+    "SoleLease",
+    "open_host_pool",
+    "physical_memory_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +175,30 @@ class SlabHandle:
     def __repr__(self) -> str:
         state = "released" if self._released else f"refcount={self.refcount}"
         return f"SlabHandle(index={self._index}, {state})"
+
+
+class SoleLease(SlabHandle):
+    """A lease with one owner that ends its own way (a sidecar's lease, a message being
+    written): no :meth:`share`, and :meth:`release` marks it released once, then
+    calls :meth:`_end`. Not counted in the pool's ref counts."""
+
+    __slots__ = ()
+
+    @property
+    def refcount(self) -> int:
+        return 0 if self._released else 1
+
+    def share(self) -> SlabHandle:
+        raise HandleError(f"slab {self._index}: this lease has one owner: copy out of it instead")
+
+    def release(self) -> None:
+        if self._released:
+            raise HandleError(f"slab {self._index}: lease released twice")
+        self._released = True
+        self._end()
+
+    def _end(self) -> None:
+        """What ending this lease does, once (nothing here)."""
 
 
 class HostPool:
