@@ -206,15 +206,43 @@ class Connection:
 
     def session(self, namespace: Namespace) -> ClientSession:
         """The live session of ``namespace``, opened now if needed; SidecarUnavailable
-        while the sidecar is down (or backing off)."""
+        while the sidecar is down (or backing off).
+
+        Once the sidecar has failed, reconnecting is the breaker's probe and runs in
+        the background: the call that starts it misses at once, as the calls meanwhile
+        do. A caller never waits out a hung sidecar's timeout to reconnect; only the
+        call on which it first stops answering does."""
         with self._lock:
             if self._closed:
                 raise SidecarUnavailable("the connection is closed")
             found = self._sessions.get(namespace.digest)
             if found is not None and found.alive:
                 return found
+            reconnecting = self._breaker.state is not BreakerState.CLOSED
             if not self._breaker.allow():
                 raise SidecarUnavailable("the sidecar is down; a probe reconnects later")
+        if reconnecting:
+            probe = threading.Thread(target=self._probe, args=(namespace,), daemon=True)
+            probe.name = "lmtier-sidecar-probe"
+            probe.start()
+            raise SidecarUnavailable("the sidecar failed; reconnecting in the background")
+        return self._connect(namespace)
+
+    def _probe(self, namespace: Namespace) -> None:
+        """The breaker's probe: open ``namespace``'s session; every outcome ends the
+        half-open state (a success closes the breaker, a failure backs off)."""
+        try:
+            self._connect(namespace)
+        except SidecarUnavailable:
+            pass  # recorded by failed(): the next probe waits longer
+        except InvalidRequestError as exc:  # the sidecar answered: it is up again
+            logger.warning("sidecar %s refused a session: %s", self.target, exc)
+        except Exception:
+            logger.exception("sidecar %s: reconnecting failed", self.target)
+            with self._lock:
+                self._breaker.record_failure()
+
+    def _connect(self, namespace: Namespace) -> ClientSession:
         try:
             session = self._open(namespace)
         except InvalidRequestError:
@@ -222,17 +250,17 @@ class Connection:
                 self._breaker.record_success()  # it answered: this namespace is the problem
             raise
         with self._lock:
-            current = self._sessions.get(namespace.digest)
-            if current is not None and current.alive:  # another thread won the race
-                loser = session
-                session = current
-            else:
+            closed, current = self._closed, self._sessions.get(namespace.digest)
+            won = not closed and (current is None or not current.alive)
+            if won:
                 self._sessions[namespace.digest] = session
                 self._breaker.record_success()
-                loser = None
-        if loser is not None:
-            self._end(loser)
-        return session
+        if won:
+            return session
+        self._end(session)  # closed meanwhile, or another thread's session is live
+        if closed or current is None:
+            raise SidecarUnavailable("the connection is closed")
+        return current
 
     def _open(self, namespace: Namespace) -> ClientSession:
         request = pb.OpenSessionRequest(

@@ -263,6 +263,43 @@ def test_a_lease_past_its_deadline_is_reclaimed_and_unusable(tmp_path: Path) -> 
             cache.close()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["shm", "stream"])
+def test_a_hung_sidecar_is_probed_in_the_background_not_by_callers(
+    sidecar: SidecarProcess, stream: bool
+) -> None:
+    ids, kv = prompt(15, TOKENS), kv_of(15, TOKENS)
+    client = connect(sidecar.target, stream=stream, timeout_s=1.0)
+    connection = client._connection  # type: ignore[attr-defined]
+    breaker = connection._breaker
+    opened_by: list[str] = []
+    open_session = connection._open
+
+    def recorded_open(*args: Any) -> Any:
+        opened_by.append(threading.current_thread().name)
+        return open_session(*args)
+
+    try:
+        assert client.store(ids, kv) == 6
+        connection._open = recorded_open
+        sidecar.signal(signal.SIGSTOP)
+        assert client.lookup(ids).num_tokens == 0  # this call waits out its timeout
+        opens = breaker.opens
+        assert opens >= 1
+
+        def probed_twice() -> bool:  # callers keep calling; each probe fails meanwhile
+            assert client.lookup(ids).num_tokens == 0
+            return breaker.opens >= opens + 2
+
+        eventually(probed_twice, "two failed reconnect probes")
+        assert opened_by and set(opened_by) == {"lmtier-sidecar-probe"}, opened_by
+        sidecar.signal(signal.SIGCONT)
+        eventually(lambda: client.lookup(ids).num_tokens == 6 * 256, "a reconnect")
+        assert "MainThread" not in opened_by
+    finally:
+        sidecar.signal(signal.SIGCONT)
+        client.close()
+
+
 def test_sidecar_killed_mid_load_costs_a_miss_and_a_restart_serves_disk(
     tmp_path: Path,
 ) -> None:

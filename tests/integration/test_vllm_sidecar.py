@@ -300,6 +300,8 @@ def test_sidecar_options_are_checked(tmp_path: Path, token_file: Path) -> None:
         {"sidecar": target, "sidecar_token": TOKEN, "sidecar_shared_memory": False}
     )
     assert streamed.sidecar == SidecarSettings(target, Secret(TOKEN), shared_memory=False)
+    quick = ConnectorSettings.from_extra_config({"sidecar": target, "sidecar_timeout_s": 1.5})
+    assert quick.sidecar is not None and quick.sidecar.timeout_s == 1.5
     empty = tmp_path / "empty"
     empty.write_text("\n")
     for bad in (
@@ -309,6 +311,10 @@ def test_sidecar_options_are_checked(tmp_path: Path, token_file: Path) -> None:
         {"sidecar": target, "sidecar_token_file": str(tmp_path / "missing")},
         {"sidecar": target, "sidecar_token_file": str(empty)},
         {"sidecar": target, "sidecar_shared_memory": "no"},
+        {"sidecar": target, "sidecar_timeout_s": 0},
+        {"sidecar": target, "sidecar_timeout_s": True},
+        {"sidecar": target, "sidecar_timeout_s": "5"},
+        {"sidecar": target, "sidecar_timeout_s": float("nan")},
         {"sidecar": target, "sidecar_tokn": TOKEN},
     ):
         with pytest.raises(ConfigError):
@@ -318,8 +324,8 @@ def test_sidecar_options_are_checked(tmp_path: Path, token_file: Path) -> None:
 def test_one_client_per_sidecar_target_in_a_process(model_dir: Path, tmp_path: Path) -> None:
     layout = kv_cache_config(KVCacheLayout.BLHNC)
 
-    def connector(target: str, role: KVConnectorRole) -> LMTierConnector:
-        extra = {"sidecar": target, "config": {"chunk_size": CHUNK}}
+    def connector(target: str, role: KVConnectorRole, **more: Any) -> LMTierConnector:
+        extra = {"sidecar": target, "config": {"chunk_size": CHUNK}, **more}
         return LMTierConnector(make_vllm_config(model_dir, extra), role, layout)
 
     # Nothing listens there: the clients start anyway (calls miss until it is up).
@@ -327,13 +333,14 @@ def test_one_client_per_sidecar_target_in_a_process(model_dir: Path, tmp_path: P
     made = [
         connector(one, KVConnectorRole.SCHEDULER),
         connector(one, KVConnectorRole.WORKER),
-        connector(other, KVConnectorRole.WORKER),
+        connector(other, KVConnectorRole.WORKER, sidecar_timeout_s=2.5),
     ]
     try:
         caches = [c.lmtier for c in made]
         assert all(isinstance(c, SidecarClient) for c in caches)
         assert caches[0] is caches[1]
         assert caches[2] is not caches[0]
+        assert [c._timeout_s for c in caches] == [10.0, 10.0, 2.5]  # type: ignore[attr-defined]
         assert made[1]._work()._listening is False
         request = make_request("a", PROMPT, block_hasher())
         assert made[0].get_num_new_matched_tokens(request, 0) == (0, False)

@@ -41,12 +41,15 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class SidecarSettings:
     """Where the connector's cache lives when it is a sidecar's client
-    (:meth:`lmtier.api.LMTier.connect`): its ``target``, the bearer ``token``, and
-    whether to map its shared host pool (``shared_memory``; else chunks stream)."""
+    (:meth:`lmtier.api.LMTier.connect`): its ``target``, the bearer ``token``,
+    whether to map its shared host pool (``shared_memory``; else chunks stream), and
+    each call's deadline (``timeout_s``: what a sidecar that stops answering costs
+    the one call it hangs, a load inside a step included)."""
 
     target: str
     token: Secret | None = None
     shared_memory: bool = True
+    timeout_s: float = 10.0
 
 
 ChunkLayout = Literal["page", "LKTHD"]
@@ -71,7 +74,8 @@ class ConnectorSettings:
     ``save_decode_tokens``: also store chunks completed by generated tokens.
     ``sidecar`` (``unix:///path.sock`` or ``host:port``): use that ``lmtier serve``
     instead of an embedded cache, with ``sidecar_token`` (or the first line of
-    ``sidecar_token_file``) and ``sidecar_shared_memory`` (default true).
+    ``sidecar_token_file``), ``sidecar_shared_memory`` (default true) and
+    ``sidecar_timeout_s`` (each call's deadline, default 10).
     ``chunk_layout`` (:data:`ChunkLayout`, default ``page``).
     ``async_loads`` (:data:`AsyncLoads`, default ``auto``). ``lookup_wait_ms``: how
     long a lookup that needs a remote tier may hold the scheduler (default 2 ms);
@@ -92,6 +96,7 @@ class ConnectorSettings:
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
         known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
+        known |= {"sidecar_timeout_s"}
         known |= {"async_loads", "lookup_wait_ms", "chunk_layout"}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -159,7 +164,17 @@ def _sidecar_settings(extra: Mapping[str, Any]) -> SidecarSettings | None:
     shared = extra.get("sidecar_shared_memory", True)
     if not isinstance(shared, bool):
         raise ConfigError("kv_connector_extra_config.sidecar_shared_memory must be a bool")
-    return SidecarSettings(target.strip(), secret, shared)
+    timeout = extra.get("sidecar_timeout_s", 10.0)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout <= 3600
+    ):
+        raise ConfigError(
+            "kv_connector_extra_config.sidecar_timeout_s must be a number of seconds in "
+            f"(0, 3600], got {timeout!r:.40}"
+        )
+    return SidecarSettings(target.strip(), secret, shared, float(timeout))
 
 
 @dataclass(frozen=True, slots=True)

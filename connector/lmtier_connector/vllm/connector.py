@@ -21,7 +21,8 @@ block copies; ``LKTHD``: the HF adapter's layout), ``async_loads`` and
 ``lookup_wait_ms`` (loads and lookups off the scheduling step),
 ``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
 ``lmtier serve`` through :meth:`lmtier.api.LMTier.connect` instead of opening tiers of
-its own; ``sidecar_token`` or ``sidecar_token_file``, ``sidecar_shared_memory``).
+its own; ``sidecar_token`` or ``sidecar_token_file``, ``sidecar_shared_memory``,
+``sidecar_timeout_s``).
 Over a sidecar the config's tier sections are the sidecar's business; what matters
 here is what keys chunks (``chunk_size``, ``hash_algorithm``, ``model_id``...). A
 sidecar that is down costs misses and load errors (recomputed), never a failed step.
@@ -197,6 +198,7 @@ def _acquire_cache(key: _CacheKey, config: LMTierConfig) -> LMTier:
                 tp_rank=tp_rank,
                 token=sidecar.token,
                 shared_memory=sidecar.shared_memory,
+                timeout_s=sidecar.timeout_s,
                 client_name=f"vllm pid {os.getpid()} rank {tp_rank}",
             )
         else:
