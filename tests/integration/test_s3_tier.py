@@ -36,6 +36,7 @@ from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
+from lmtier_backends.s3.io import SCAN_AHEAD_WINDOWS
 from lmtier_backends.s3.tier import S3Tier, open_tier, read_body_into
 
 pytestmark = pytest.mark.integration
@@ -112,9 +113,12 @@ def test_contains_1000_keys_and_early_stop(endpoint: str, prefix: str) -> None:
             assert await tier.contains(keys) == 1000
             assert len(heads) == 1000
 
-            heads.clear()  # a miss at 500 stops the cursor: about one round wasted past it
+            # A miss at 500 stops the cursor: a round or so of HEADs past it, and never
+            # more than the cursor's reach past the lowest unanswered key, however long
+            # the miss's own HEAD takes (a descheduled thread on a loaded machine).
+            heads.clear()
             assert await tier.contains([*keys[:500], random_key(), *keys[500:]]) == 500
-            assert 501 <= len(heads) <= 501 + 2 * 16
+            assert 501 <= len(heads) <= 500 + SCAN_AHEAD_WINDOWS * 16
 
             heads.clear()  # fresh keys: the slow-start window, 2 HEADs, not 1000
             assert await tier.contains([random_key() for _ in range(1000)]) == 0

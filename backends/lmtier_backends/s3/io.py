@@ -244,14 +244,22 @@ def _no_tick() -> None:
     pass
 
 
+SCAN_AHEAD_WINDOWS = 4
+"""How far a scan's cursor may run past the lowest key not answered yet, in full
+windows: what a miss whose HEAD is slow (a descheduled thread, a slow S3 reply) can
+cost in HEADs past it, however fast the hits after it answer."""
+
+
 @dataclass(slots=True)
 class Scan:
     """The shared cursor of one ``S3Tier.contains`` (the tier's module docstring), with
-    TCP-like slow start: ``window`` HEADs may be in flight, one more after each hit.
+    TCP-like slow start: ``window`` HEADs may be in flight, one more after each hit, and
+    none past ``SCAN_AHEAD_WINDOWS * max_window`` keys after the lowest unanswered one.
 
-    Invariant (under ``cond``): every index below ``next_index`` was handed out, and
-    ``stop`` is the lowest index known not to be a hit (``len(keys)`` if none); so once
-    every worker has returned, every key below ``stop`` is a hit.
+    Invariant (under ``cond``): every index below ``next_index`` was handed out, every
+    index below ``base`` was answered, and ``stop`` is the lowest index known not to be
+    a hit (``len(keys)`` if none); so once every worker has returned, every key below
+    ``stop`` is a hit.
     """
 
     keys: Sequence[ChunkKey]
@@ -261,14 +269,18 @@ class Scan:
     outcomes: list[object]
     next_index: int = 0
     done: int = 0
+    base: int = 0
+    answered: set[int] = field(default_factory=set)  # answered indices at or past base
     cancelled: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def take(self) -> int | None:
         """The next index to HEAD, once the window has room; None when there is none."""
+        ahead = SCAN_AHEAD_WINDOWS * self.max_window
         with self.cond:
             while not self.cancelled and self.next_index < self.stop:
-                if self.next_index - self.done < self.window:
+                in_flight = self.next_index - self.done
+                if in_flight < self.window and self.next_index < self.base + ahead:
                     self.next_index += 1
                     return self.next_index - 1
                 self.cond.wait()
@@ -277,6 +289,10 @@ class Scan:
     def finish(self, index: int, hit: bool) -> None:
         with self.cond:
             self.done += 1
+            self.answered.add(index)
+            while self.base in self.answered:
+                self.answered.remove(self.base)
+                self.base += 1
             if hit:
                 self.window = min(self.window + 1, self.max_window)
             else:

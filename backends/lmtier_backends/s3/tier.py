@@ -15,7 +15,8 @@ flight, one more per hit (the window doubles each round trip) up to
 ``max_concurrency``. A batch of fresh keys costs 2 HEADs rather than a round of
 ``max_concurrency`` (S3 bills and rate-limits HEADs per prefix), a long hit reaches
 full speed after a few round trips, and only HEADs in flight when the first miss is
-answered go past it.
+answered go past it: fewer than ``4 * max_concurrency``, however slow that miss's
+HEAD (the cursor runs at most four windows past the lowest key not answered).
 
 No negative caching: every ``contains`` asks S3. A cached miss would hide chunks that
 other nodes write (LMCache caches S3 misses for the process lifetime); a lookup of
