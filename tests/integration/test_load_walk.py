@@ -44,12 +44,14 @@ def endpoint(s3_server: MotoServer) -> str:  # noqa: F811
 
 
 def config(redis_url: str, endpoint: str, run: str) -> LMTierConfig:
+    # Deadlines far above any stall of a loaded machine: these tests count which tier
+    # served each chunk, and a read past its deadline is (rightly) a fall-through.
     return LMTierConfig(
         chunk_size=CHUNK,
         cpu=CPUTierConfig(capacity_bytes=4 << 20, staging_bytes=1 << 20),
         disk=DiskTierConfig(enabled=False),
-        redis=RedisTierConfig(url=redis_url, key_prefix=f"{run}:"),  # type: ignore[arg-type]
-        s3=S3TierConfig(bucket=BUCKET, prefix=f"{run}/", endpoint_url=endpoint),
+        redis=RedisTierConfig(url=redis_url, key_prefix=f"{run}:", timeout_s=30.0),  # type: ignore[arg-type]
+        s3=S3TierConfig(bucket=BUCKET, prefix=f"{run}/", endpoint_url=endpoint, timeout_s=30.0),
     )
 
 
