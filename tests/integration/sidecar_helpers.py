@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmtier.chunks.keys import ChunkKey
+from lmtier.sidecar.shm import SharedRegion
 from lmtier.testing import make_chunk
 from lmtier.testing.sidecar import START_TIMEOUT_S, SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
@@ -47,6 +49,7 @@ __all__ = [
     "pieces",
     "store_stream",
     "wait_for",
+    "write_slab",
 ]
 
 T = TypeVar("T")
@@ -191,6 +194,17 @@ def gauges(stub: pb_grpc.SidecarStub, session: Session) -> dict[str, float]:
         pb.StatsRequest(session_id=session.id), metadata=session.metadata, timeout=CALL_TIMEOUT_S
     )
     return dict(reply.sidecar.values)
+
+
+def write_slab(region: SharedRegion, session: Session, slab: int, data: bytes, at: int = 0) -> None:
+    """Write ``data`` at byte ``at`` of ``slab`` of the sidecar's shared pool, as a
+    client that mapped it (``region``) can, lease or no lease."""
+    shm = session.info.shm
+    assert at + len(data) <= shm.slab_stride
+    if not data:
+        return
+    start = shm.first_slab_offset + slab * shm.slab_stride + at
+    region.tensor[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def chunk_for(key: ChunkKey, *, seed: int | None = None, hidden: int = 64) -> bytes:

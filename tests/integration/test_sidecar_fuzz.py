@@ -10,8 +10,6 @@ fresh session; and once the walk's sessions end, no lease is left."""
 
 from __future__ import annotations
 
-import mmap
-import os
 import random
 import secrets
 import socket
@@ -33,10 +31,12 @@ from sidecar_helpers import (
     open_session,
     pieces,
     wait_for,
+    write_slab,
 )
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.sidecar.lane import LaneClient
+from lmtier.sidecar.shm import SharedRegion
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
@@ -78,7 +78,7 @@ class Walk:
         self.stored: list[bytes] = []
         self.codes: Counter[tuple[str, str]] = Counter()
         self.lane: LaneClient | None = None
-        self.pools: dict[str, mmap.mmap] = {}
+        self.regions: dict[str, SharedRegion] = {}
 
     # ---- random values -------------------------------------------------------------
 
@@ -252,17 +252,15 @@ class Walk:
             self.write(owner, slab, at, secrets.token_bytes(self.rng.choice([1, 8, 100])))
 
     def write(self, owner: Session, slab: int, at: int, data: bytes) -> None:
+        """``data`` (cut at the slab's end) at byte ``at`` of ``slab``, through the pool
+        as ``owner``'s client maps it."""
         shm = owner.info.shm if owner.info.HasField("shm") else None
         if shm is None or slab >= shm.num_slabs:
             return
-        pool = self.pools.get(shm.path)
-        if pool is None:
-            fd = os.open(shm.path, os.O_RDWR)
-            pool = self.pools[shm.path] = mmap.mmap(fd, shm.size)
-            os.close(fd)
-        start = shm.first_slab_offset + slab * shm.slab_stride + at
-        end = min(start + len(data), shm.first_slab_offset + (slab + 1) * shm.slab_stride)
-        pool[start:end] = data[: end - start]
+        region = self.regions.get(shm.path)
+        if region is None:
+            region = self.regions[shm.path] = SharedRegion.attach(Path(shm.path), shm.size)
+        write_slab(region, owner, slab, data[: max(0, shm.slab_stride - at)], at)
 
     def raw_lane_frame(self) -> None:
         """A lane connection that says hello, then sends one random frame."""
@@ -321,8 +319,8 @@ class Walk:
             session.close()
         if self.lane is not None:
             self.lane.close()
-        for pool in self.pools.values():
-            pool.close()
+        for region in self.regions.values():
+            region.close()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

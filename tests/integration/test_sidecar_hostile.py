@@ -24,7 +24,6 @@ from typing import Any
 
 import grpc
 import pytest
-import torch
 from sidecar_helpers import (
     CALL_TIMEOUT_S,
     Session,
@@ -38,6 +37,7 @@ from sidecar_helpers import (
     pieces,
     store_stream,
     wait_for,
+    write_slab,
 )
 
 from lmtier.chunks.format import PREFIX, PREFIX_LEN
@@ -132,13 +132,6 @@ def acquire(stub: pb_grpc.SidecarStub, session: Session, count: int) -> list[pb.
 
 def release(stub: pb_grpc.SidecarStub, session: Session, leases: list[int]) -> None:
     stub.Release(pb.ReleaseRequest(session_id=session.id, leases=leases), timeout=CALL_TIMEOUT_S)
-
-
-def write_slab(region: SharedRegion, session: Session, slab: int, data: bytes) -> None:
-    shm = session.info.shm
-    start = shm.first_slab_offset + slab * shm.slab_stride
-    assert len(data) <= shm.slab_stride
-    region.tensor[start : start + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def found(stub: pb_grpc.SidecarStub, session: Session, *keys: bytes) -> int:

@@ -9,7 +9,7 @@ each worker binds the chunk references (:class:`ChunkRefs`) to its own namespace
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -115,7 +115,12 @@ class ConnectorSettings:
             save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
             sidecar=_sidecar_settings(extra),
             async_loads=_choice(extra.get("async_loads", "auto"), "async_loads", AsyncLoads),
-            lookup_wait_ms=_wait_ms(extra.get("lookup_wait_ms", 2.0)),
+            lookup_wait_ms=_number(
+                extra.get("lookup_wait_ms", 2.0),
+                "lookup_wait_ms",
+                "ms in 0..60000",
+                lambda v: 0 <= v <= 60_000,
+            ),
             chunk_layout=_choice(extra.get("chunk_layout", "page"), "chunk_layout", ChunkLayout),
         )
 
@@ -130,11 +135,12 @@ def _choice(value: object, name: str, choices: Any) -> Any:
     )
 
 
-def _wait_ms(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 60_000:
+def _number(value: object, name: str, span: str, within: Callable[[float], bool]) -> float:
+    """``value`` as a float if it is a number (not a bool) ``within`` its bounds (named
+    ``span`` in the error), else a ConfigError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):
         raise ConfigError(
-            f"kv_connector_extra_config.lookup_wait_ms must be a number of ms in 0..60000, "
-            f"got {value!r:.40}"
+            f"kv_connector_extra_config.{name} must be a number of {span}, got {value!r:.40}"
         )
     return float(value)
 
@@ -164,17 +170,13 @@ def _sidecar_settings(extra: Mapping[str, Any]) -> SidecarSettings | None:
     shared = extra.get("sidecar_shared_memory", True)
     if not isinstance(shared, bool):
         raise ConfigError("kv_connector_extra_config.sidecar_shared_memory must be a bool")
-    timeout = extra.get("sidecar_timeout_s", 10.0)
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout <= 3600
-    ):
-        raise ConfigError(
-            "kv_connector_extra_config.sidecar_timeout_s must be a number of seconds in "
-            f"(0, 3600], got {timeout!r:.40}"
-        )
-    return SidecarSettings(target.strip(), secret, shared, float(timeout))
+    timeout = _number(
+        extra.get("sidecar_timeout_s", 10.0),
+        "sidecar_timeout_s",
+        "seconds in (0, 3600]",
+        lambda v: 0 < v <= 3600,
+    )
+    return SidecarSettings(target.strip(), secret, shared, timeout)
 
 
 @dataclass(frozen=True, slots=True)
