@@ -8,9 +8,10 @@ bytes are copied once on each side.
 * **One copy.** Through the generated classes, a piece's data is copied out of the
   slab into a ``bytes``, then into the serialized message (and, received, out of the
   message into a ``bytes``, then into the slab). Encoded here, the slab's bytes are
-  joined straight into the message; parsed here, the data is a view of the message
-  that is copied once, into the slab. The wire format is the same protobuf message:
-  other clients use their generated code.
+  joined straight into the message; parsed here, the data is a view of the message,
+  copied once into the slab, or read where it lies when a chunk came whole in one
+  message (:class:`~lmtier.sidecar.streaming.ReceivedSlab`). The wire format is the
+  same protobuf message: other clients use their generated code.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "PIECE_BYTES",
     "Piece",
     "PieceBuffer",
+    "bytes_tensor",
     "chunk_pieces",
     "decode_piece",
     "encode_piece",
@@ -109,6 +111,21 @@ _bytes_data.restype = ctypes.c_void_p
 _DATA_ALIGN = 8  # the data starts 8-aligned in the message (bytes' own data is 16-aligned)
 
 
+def bytes_tensor(data: bytes, start: int, length: int) -> torch.Tensor:
+    """A writable 1-D uint8 tensor over ``data[start : start + length]`` in place (no
+    copy; it keeps ``data`` alive). Only for a ``bytes`` no other code holds: one just
+    made (:class:`PieceBuffer`) or a message grpc handed over (a streamed load's chunk
+    is read where it arrived). Immutable ``bytes`` are written this way only before
+    anyone else sees them, or by the one holder, never hashed."""
+    if not 0 <= start <= start + length <= len(data):
+        raise ValueError(f"bytes [{start}, {start + length}) are not within {len(data)}")
+    if not length:
+        return torch.empty(0, dtype=torch.uint8)
+    array = (ctypes.c_char * length).from_address(_bytes_data(data) + start)
+    array.owner = data  # type: ignore[attr-defined]  # tensor -> array -> bytes
+    return torch.frombuffer(array, dtype=torch.uint8)
+
+
 @functools.lru_cache(maxsize=64)
 def _piece_frame(session_id: bytes, length: int) -> tuple[bytes, bytes]:
     """The bytes of a whole chunk's piece before its key and between its key and its
@@ -143,9 +160,7 @@ class PieceBuffer:
         key_at, data_at = len(head), len(head) + KEY_BYTES + len(tail)
         self.length = length
         self.message: bytes = _new_bytes(None, data_at + length)
-        array = (ctypes.c_char * len(self.message)).from_address(_bytes_data(self.message))
-        array.owner = self.message  # type: ignore[attr-defined]  # tensor -> array -> bytes
-        whole = torch.frombuffer(array, dtype=torch.uint8)
+        whole = bytes_tensor(self.message, 0, len(self.message))
         self._raw: memoryview = whole.numpy().data
         self._raw[:key_at] = head
         self._raw[key_at + KEY_BYTES : data_at] = tail
@@ -198,6 +213,8 @@ class Piece:
     offset: int = 0
     data: memoryview = _EMPTY
     tier: str = ""
+    data_at: int = 0
+    """Where ``data`` starts in the message."""
 
 
 def _read_varint(raw: memoryview, at: int) -> tuple[int, int]:
@@ -219,7 +236,7 @@ def decode_piece(raw: bytes | memoryview) -> Piece:
     view = memoryview(raw)
     numbers: dict[int, int] = {}
     spans: dict[int, memoryview] = {}
-    at = 0
+    data_at = at = 0
     while at < len(view):
         tag, at = _read_varint(view, at)
         number, kind = tag >> 3, tag & 7
@@ -227,6 +244,8 @@ def decode_piece(raw: bytes | memoryview) -> Piece:
             numbers[number], at = _read_varint(view, at)
         elif kind == _LEN:
             size, at = _read_varint(view, at)
+            if number == _DATA:
+                data_at = at
             spans[number], at = view[at : at + size], at + size
         elif kind in _FIXED:
             at += _FIXED[kind]
@@ -241,4 +260,5 @@ def decode_piece(raw: bytes | memoryview) -> Piece:
         offset=numbers.get(_OFFSET, 0),
         data=spans.get(_DATA, _EMPTY),
         tier=str(spans.get(_TIER, _EMPTY), "utf-8"),
+        data_at=data_at,
     )

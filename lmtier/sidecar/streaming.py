@@ -16,11 +16,24 @@ import torch
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.sidecar.connection import Connection
-from lmtier.sidecar.pieces import PIECE_BYTES, PieceBuffer, chunk_pieces, decode_piece
+from lmtier.sidecar.pieces import (
+    PIECE_BYTES,
+    PieceBuffer,
+    bytes_tensor,
+    chunk_pieces,
+    decode_piece,
+)
 from lmtier.storage.memory import HostPool, SlabHandle, SoleLease
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["MessageSlab", "StoreSending", "StoreStreams", "in_messages", "receive_chunks"]
+__all__ = [
+    "MessageSlab",
+    "ReceivedSlab",
+    "StoreSending",
+    "StoreStreams",
+    "in_messages",
+    "receive_chunks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +43,11 @@ def receive_chunks(
 ) -> tuple[list[SlabHandle], list[tuple[int, str]]]:
     """Run ``LoadStream``: each whole chunk in a slab of ``pool`` (at most ``most``),
     with its length and tier. A chunk cut short (a failed stream, a full pool, a
-    malformed piece) ends the result there: what follows is a miss."""
+    malformed piece) ends the result there: what follows is a miss. A chunk that
+    arrives whole in one message is read where it lies (:class:`ReceivedSlab`)
+    unless the pool is pinned: copies to a GPU are DMA only out of pinned memory,
+    so there the one copy into a slab is what makes them fast."""
+    in_place = not pool.pinned
     handles: list[SlabHandle] = []
     meta: list[tuple[int, str]] = []
     filled: list[int] = []
@@ -52,7 +69,15 @@ def receive_chunks(
             end = piece.offset + len(piece.data)
             if not handles or piece.offset != filled[-1] or end > meta[-1][0]:
                 break
-            handles[-1].view[piece.offset : end] = piece.data
+            if (
+                in_place
+                and piece.offset == 0
+                and end == piece.total_length
+                and isinstance(raw, bytes)
+            ):
+                handles[-1] = ReceivedSlab(pool, handles[-1], raw, piece.data_at, end)
+            else:
+                handles[-1].view[piece.offset : end] = piece.data
             filled[-1] = end
     except grpc.RpcError as exc:
         connection.failed(exc)
@@ -107,6 +132,37 @@ class MessageSlab(SoleLease):
 
     def _end(self) -> None:
         self._buffer = None
+        self._budget.release()
+
+
+class ReceivedSlab(SoleLease):
+    """A chunk that arrived whole in one ``LoadStream`` message, read where it lies
+    (the message's data field) instead of copied into a slab: a streamed load then
+    copies the KV once, as a raw stream's reader does. The slab it would have filled
+    stays held but unused until the lease ends, so the private pool still bounds
+    what loads hold."""
+
+    __slots__ = ("_budget", "_tensor", "_view")
+
+    def __init__(
+        self, pool: HostPool, budget: SlabHandle, message: bytes, start: int, length: int
+    ) -> None:
+        super().__init__(pool, budget.index)
+        self._budget = budget
+        self._tensor = bytes_tensor(message, start, length)
+        self._view: memoryview = self._tensor.numpy().data
+
+    @property
+    def view(self) -> memoryview:
+        self._check_usable("view")
+        return self._view
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        self._check_usable("tensor")
+        return self._tensor
+
+    def _end(self) -> None:
         self._budget.release()
 
 

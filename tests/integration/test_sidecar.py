@@ -24,7 +24,8 @@ import lmtier.sidecar.client as client_module
 from lmtier import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
-from lmtier.sidecar.streaming import MessageSlab
+from lmtier.sidecar.streaming import MessageSlab, ReceivedSlab
+from lmtier.storage.memory import SlabHandle
 from lmtier.testing.sidecar import SidecarProcess
 
 pytestmark = pytest.mark.integration
@@ -120,6 +121,30 @@ def test_streaming_store_is_loaded_through_shared_memory(
     with observer.load(prompt(2, TOKENS)) as hit:
         assert hit.num_tokens == 6 * 256
         assert torch.equal(hit.kv(), kv_of(2, TOKENS)[:, :, : 6 * 256])
+
+
+@pytest.mark.parametrize("piece", ["4MiB", "64KiB"], ids=["whole", "in-pieces"])
+def test_a_streamed_load_reads_a_whole_chunk_in_the_message_it_came_in(
+    tmp_path: Path, piece: str
+) -> None:
+    # A chunk that comes in one message is read there (its copy into a slab spared);
+    # one cut into pieces is put together in a slab. Either way every slab of the
+    # private pool comes back once the load is released.
+    settings = {**SETTINGS, "sidecar": {**SETTINGS["sidecar"], "stream_piece_bytes": piece}}
+    ids, kv = prompt(14, TOKENS), kv_of(14, TOKENS)
+    with (
+        SidecarProcess(tmp_path / "sidecar", settings) as sidecar,
+        connect(sidecar.target, stream=True) as client,
+    ):
+        assert client.store(ids, kv) == 6
+        in_place = piece == "4MiB" and not torch.cuda.is_available()  # a pinned pool copies
+        with client.load(ids) as hit:
+            kinds = {type(chunk.handle) for chunk in hit.chunks}
+            assert kinds == ({ReceivedSlab} if in_place else {SlabHandle})
+            assert torch.equal(hit.kv(), kv[:, :, : 6 * 256])
+            assert torch.equal(torch.cat(hit.tensors(), dim=2), kv[:, :, : 6 * 256])
+            assert client.host_memory().slabs_in_use == 6
+        assert client.host_memory().slabs_in_use == 0
 
 
 def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(

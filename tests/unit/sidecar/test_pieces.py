@@ -1,5 +1,6 @@
 """A streamed chunk's messages as this client writes them: the pieces protobuf reads,
-and a streaming store's chunk written straight into its message."""
+a streaming store's chunk written straight into its message, and a streamed load's
+chunk read where its message lies."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ from collections.abc import Iterator
 import pytest
 
 from lmtier.errors import HandleError
-from lmtier.sidecar.pieces import PIECE_BYTES, PieceBuffer, chunk_pieces, decode_piece
-from lmtier.sidecar.streaming import MessageSlab, in_messages
+from lmtier.sidecar.pieces import (
+    PIECE_BYTES,
+    PieceBuffer,
+    bytes_tensor,
+    chunk_pieces,
+    decode_piece,
+)
+from lmtier.sidecar.streaming import MessageSlab, ReceivedSlab, in_messages
 from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 
@@ -97,3 +104,42 @@ def test_a_chunk_bigger_than_a_message_keeps_its_slab(pool: HostPool) -> None:
     assert slab is not None
     assert in_messages(pool, [slab], SESSION, PIECE_BYTES + 1) == [slab]
     slab.release()
+
+
+def test_a_parsed_piece_says_where_its_data_lies_in_the_message() -> None:
+    data = os.urandom(5000)
+    for raw in chunk_pieces(KEY, memoryview(data), 5000, 2048, tier="cpu"):
+        piece = decode_piece(raw)
+        assert raw[piece.data_at : piece.data_at + len(piece.data)] == bytes(piece.data)
+
+
+def test_bytes_tensor_is_the_bytes_in_place_and_checks_its_bounds() -> None:
+    message = os.urandom(100)
+    tensor = bytes_tensor(message, 10, 50)
+    assert tensor.numel() == 50 and bytes(tensor.numpy()) == message[10:60]
+    assert bytes_tensor(message, 100, 0).numel() == 0
+    for start, length in [(-1, 10), (60, 41), (0, 101)]:
+        with pytest.raises(ValueError, match="not within 100"):
+            bytes_tensor(message, start, length)
+
+
+def test_a_received_slab_is_its_message_data_and_holds_a_slab_until_released(
+    pool: HostPool,
+) -> None:
+    data = os.urandom(3000)
+    (raw,) = chunk_pieces(KEY, memoryview(data), 3000, 4096, tier="disk")
+    piece = decode_piece(raw)
+    budget = pool.acquire()
+    assert budget is not None
+    slab = ReceivedSlab(pool, budget, raw, piece.data_at, len(piece.data))
+    assert pool.num_free == 2 and slab.index == budget.index
+    assert bytes(slab.view) == data and bytes(slab.tensor.numpy()) == data
+    assert not slab.view.readonly  # read as a slab's view is: numpy and torch take it as is
+    with pytest.raises(HandleError):
+        slab.share()
+    slab.release()
+    assert pool.num_free == 3
+    with pytest.raises(HandleError):
+        _ = slab.tensor
+    with pytest.raises(HandleError):
+        slab.release()
