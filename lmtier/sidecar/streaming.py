@@ -163,7 +163,11 @@ class ReceivedSlab(SoleLease):
         return self._tensor
 
     def _end(self) -> None:
+        self._tensor, self._view = _NO_BYTES, _NO_BYTES.numpy().data  # the message can go
         self._budget.release()
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 def in_messages(

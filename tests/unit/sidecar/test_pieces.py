@@ -5,6 +5,7 @@ chunk read where its message lies."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -131,7 +132,10 @@ def test_a_received_slab_is_its_message_data_and_holds_a_slab_until_released(
     piece = decode_piece(raw)
     budget = pool.acquire()
     assert budget is not None
-    slab = ReceivedSlab(pool, budget, raw, piece.data_at, len(piece.data))
+    del piece.data  # the parsed piece's view of the message: only the slab's is left
+    holders = sys.getrefcount(raw)
+    slab = ReceivedSlab(pool, budget, raw, piece.data_at, len(data))
+    assert sys.getrefcount(raw) > holders
     assert pool.num_free == 2 and slab.index == budget.index
     assert bytes(slab.view) == data and bytes(slab.tensor.numpy()) == data
     assert not slab.view.readonly  # read as a slab's view is: numpy and torch take it as is
@@ -139,6 +143,7 @@ def test_a_received_slab_is_its_message_data_and_holds_a_slab_until_released(
         slab.share()
     slab.release()
     assert pool.num_free == 3
+    assert sys.getrefcount(raw) == holders  # a released slab lets its message go
     with pytest.raises(HandleError):
         _ = slab.tensor
     with pytest.raises(HandleError):
