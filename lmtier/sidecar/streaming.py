@@ -91,18 +91,35 @@ def receive_chunks(
     return handles[:whole], meta[:whole]
 
 
-class MessageSlab(SoleLease):
-    """A slab of the private pool whose chunk is written into its outgoing message
-    instead (a :class:`~lmtier.sidecar.pieces.PieceBuffer`, made when the chunk is
-    written): ``view`` and ``tensor`` are the message's data field. The slab itself
-    stays unused but held until the message is sent, so the pool bounds what a store
-    holds, as with plain slabs."""
+class _StandIn(SoleLease):
+    """A lease whose chunk bytes live outside the pool (a message), holding a slab of
+    the pool unused meanwhile: the pool still bounds what its users hold. Ending it
+    lets the bytes go (:meth:`_let_go`) and gives the slab back."""
 
-    __slots__ = ("_budget", "_buffer", "_length", "_session_id")
+    __slots__ = ("_budget",)
 
-    def __init__(self, pool: HostPool, budget: SlabHandle, session_id: bytes, length: int) -> None:
+    def __init__(self, pool: HostPool, budget: SlabHandle) -> None:
         super().__init__(pool, budget.index)
         self._budget = budget
+
+    def _let_go(self) -> None:
+        """Drop the references to the bytes (once, when the lease ends)."""
+
+    def _end(self) -> None:
+        self._let_go()
+        self._budget.release()
+
+
+class MessageSlab(_StandIn):
+    """A slab of the private pool whose chunk is written into its outgoing message
+    instead (a :class:`~lmtier.sidecar.pieces.PieceBuffer`, made when the chunk is
+    written): ``view`` and ``tensor`` are the message's data field. The slab stays
+    held until the message is sent, so the pool bounds what a store holds."""
+
+    __slots__ = ("_buffer", "_length", "_session_id")
+
+    def __init__(self, pool: HostPool, budget: SlabHandle, session_id: bytes, length: int) -> None:
+        super().__init__(pool, budget)
         self._session_id, self._length = session_id, length
         self._buffer: PieceBuffer | None = None
 
@@ -130,25 +147,23 @@ class MessageSlab(SoleLease):
             return None
         return buffer.seal(key)
 
-    def _end(self) -> None:
+    def _let_go(self) -> None:
         self._buffer = None
-        self._budget.release()
 
 
-class ReceivedSlab(SoleLease):
+class ReceivedSlab(_StandIn):
     """A chunk that arrived whole in one ``LoadStream`` message, read where it lies
     (the message's data field) instead of copied into a slab: a streamed load then
     copies the KV once, as a raw stream's reader does. The slab it would have filled
-    stays held but unused until the lease ends, so the private pool still bounds
-    what loads hold."""
+    stays held until the lease ends, so the private pool still bounds what loads
+    hold; ending it lets the message go."""
 
-    __slots__ = ("_budget", "_tensor", "_view")
+    __slots__ = ("_tensor", "_view")
 
     def __init__(
         self, pool: HostPool, budget: SlabHandle, message: bytes, start: int, length: int
     ) -> None:
-        super().__init__(pool, budget.index)
-        self._budget = budget
+        super().__init__(pool, budget)
         self._tensor = bytes_tensor(message, start, length)
         self._view: memoryview = self._tensor.numpy().data
 
@@ -162,12 +177,12 @@ class ReceivedSlab(SoleLease):
         self._check_usable("tensor")
         return self._tensor
 
-    def _end(self) -> None:
-        self._tensor, self._view = _NO_BYTES, _NO_BYTES.numpy().data  # the message can go
-        self._budget.release()
+    def _let_go(self) -> None:
+        self._tensor, self._view = _NO_BYTES, _NO_VIEW
 
 
 _NO_BYTES = torch.empty(0, dtype=torch.uint8)
+_NO_VIEW: memoryview = _NO_BYTES.numpy().data
 
 
 def in_messages(
