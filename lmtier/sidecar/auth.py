@@ -55,6 +55,12 @@ class Principal:
     models: frozenset[str] | None = None
     salts: frozenset[str] | None = None
 
+    @property
+    def reaches_all(self) -> bool:
+        """Whether this caller may reach every namespace (no scope): only such a caller
+        is handed the shared pool, which holds every namespace's chunks."""
+        return self.models is None and self.salts is None
+
     def allows(self, model_id: str, cache_salt: str) -> bool:
         """Whether this caller may open a namespace of ``model_id`` under ``cache_salt``."""
         if self.models is not None and model_id not in self.models:

@@ -26,7 +26,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -35,8 +34,8 @@ from lmtier.chunks.keys import Namespace
 from lmtier.config import Secret
 from lmtier.errors import InvalidRequestError
 from lmtier.sidecar.lane import LaneClient, LaneError
+from lmtier.sidecar.mappings import PoolMappings
 from lmtier.sidecar.namespaces import to_wire
-from lmtier.sidecar.shm import SharedRegion
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
@@ -86,6 +85,10 @@ class ClientSession:
     """The local lane for this session's data-path calls (None: gRPC)."""
     alive: bool = True
     releases: list[int] = field(default_factory=list)
+    held: int = 0
+    """Leases of this session held here (:class:`~lmtier.sidecar.slabs.RemoteSlab`)."""
+    ending: bool = False
+    """Ended here while leases were held: its stream is cancelled once the last ends."""
 
     @property
     def id(self) -> bytes:
@@ -137,7 +140,8 @@ class Connection:
         )
         self._lock = threading.Lock()
         self._sessions: dict[bytes, ClientSession] = {}
-        self._regions: dict[str, tuple[SharedRegion, HostPool]] = {}
+        self.pools = PoolMappings()
+        """The sidecar's shared pools mapped here (one per incarnation)."""
         self._lanes: dict[str, LaneClient] = {}
         self._token = token
         self._breaker = CircuitBreaker(
@@ -280,32 +284,13 @@ class Connection:
                 "the sidecar computes another namespace digest for this model: its lmtier "
                 f"version ({info.server_version}) keys chunks differently"
             )
-        pool = self._map(info.shm) if info.HasField("shm") else None
+        pool = self.pools.map(info.shm) if info.HasField("shm") else None
         lane = self._lane(info.lane) if pool is not None and info.lane else None
         session = ClientSession(info, call, pool, lane)
         watcher = threading.Thread(target=self._watch, args=(session,), daemon=True)
         watcher.name = "lmtier-sidecar-session"
         watcher.start()
         return session
-
-    def _map(self, shm: pb.SharedMemory) -> HostPool | None:
-        """The shared pool's slabs (mapped once per sidecar incarnation); None when it
-        cannot be mapped here (then this client streams)."""
-        with self._lock:
-            found = self._regions.get(shm.path)
-            if found is not None:
-                return found[1]
-        try:
-            region = SharedRegion.attach(Path(shm.path), shm.size)
-        except OSError as exc:
-            logger.warning("cannot map the sidecar's shared pool (%s): streaming instead", exc)
-            return None
-        region.pin()
-        memory = region.tensor[shm.first_slab_offset :]
-        pool = HostPool(shm.slab_stride, shm.num_slabs, align=64, region=memory)
-        with self._lock:
-            self._regions[shm.path] = (region, pool)
-        return pool
 
     def _lane(self, path: str) -> LaneClient:
         with self._lock:
@@ -359,8 +344,34 @@ class Connection:
                 del self._sessions[session.info.namespace_digest]
 
     def _end(self, session: ClientSession) -> None:
-        session.alive = False
-        session.call.cancel()
+        """No call uses ``session`` from now on. Its stream, whose end makes the sidecar
+        reclaim every lease of it, is cancelled once no lease of it is held here: a
+        result being read keeps its slabs until released (or its deadline), even when
+        this client gives up on a slow sidecar meanwhile."""
+        with self._lock:
+            session.alive = False
+            session.ending = session.held > 0
+        if not session.ending:
+            session.call.cancel()
+
+    def hold(self, session: ClientSession) -> None:
+        """A lease of ``session`` is held here (until :meth:`unhold`)."""
+        with self._lock:
+            session.held += 1
+        if session.pool is not None:
+            self.pools.hold(session.pool)
+
+    def unhold(self, session: ClientSession) -> None:
+        """A lease of ``session`` held here ended (released or handed over)."""
+        with self._lock:
+            session.held -= 1
+            last = session.ending and session.held == 0
+            if last:
+                session.ending = False
+        if last:
+            session.call.cancel()
+        if session.pool is not None:
+            self.pools.unhold(session.pool)
 
     def _drop_sessions(self) -> None:
         with self._lock:
@@ -418,13 +429,10 @@ class Connection:
         self._drop_sessions()
         self._channel.close()
         with self._lock:
-            regions, self._regions = list(self._regions.values()), {}
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             lane.close()
-        for region, pool in regions:
-            pool.close()
-            region.close()
+        self.pools.close()
 
     def sessions(self) -> Sequence[ClientSession]:
         with self._lock:

@@ -22,10 +22,12 @@ message. A connection starts with a hello (method 0) carrying the authorization 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import struct
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,22 +71,44 @@ class LaneServer:
         self.path = path
         self.max_frame = max_frame
         self._server: asyncio.AbstractServer | None = None
+        self._open: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._calling: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Listen (the socket is born 0600: the caller holds the umask)."""
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
 
-    async def close(self) -> None:
-        """Stop accepting connections; calls in flight finish (idempotent)."""
+    async def close(self, grace_s: float = 1.0) -> None:
+        """Stop accepting connections, let calls in flight finish (``grace_s`` at most),
+        then close every connection and wait for their ends (idempotent)."""
         if self._server is not None:
             self._server.close()
             self._server = None
         self.path.unlink(missing_ok=True)
+        if self._calling:
+            await asyncio.wait(set(self._calling), timeout=grace_s)
+        for writer in self._open.values():
+            writer.close()  # its reader sees the end and the connection's task returns
+        if self._open:
+            await asyncio.wait(set(self._open), timeout=grace_s)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._open[task] = writer
+        try:
+            await self._connection(reader, writer, task)
+        finally:
+            del self._open[task]
+            self._calling.discard(task)
+
+    async def _connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, task: asyncio.Task[None]
+    ) -> None:
         auth, principal = self.service.parts.auth, None
         try:
             while True:
+                self._calling.discard(task)  # between calls: closing it loses nothing
                 length, method = _HEADER.unpack(await reader.readexactly(_HEADER.size))
                 if length > self.max_frame:
                     message = f"a frame of {length} bytes; at most {self.max_frame}"
@@ -104,6 +128,7 @@ class LaneServer:
                     _reply(writer, grpc.StatusCode.UNAUTHENTICATED, b"say hello first")
                     break
                 else:
+                    self._calling.add(task)
                     code, body = await self._call(method, payload, principal)
                     _reply(writer, code, body)
                 await writer.drain()
@@ -152,14 +177,15 @@ class LaneError(grpc.RpcError):  # type: ignore[misc]
 
 class LaneClient:
     """A client's end of the lane: blocking calls, one connection per thread (opened on
-    first use, with its hello; dropped on any error and reopened by the next call)."""
+    first use, with its hello; dropped on any error and reopened by the next call;
+    closed when its thread ends, or by :meth:`close`)."""
 
     def __init__(self, path: str, token: Secret | None, timeout_s: float) -> None:
         self.path = path
         self._hello = f"Bearer {token.reveal()}".encode() if token is not None else b""
         self.timeout_s = timeout_s
         self._local = threading.local()
-        self._opened: set[socket.socket] = set()  # every thread's, for close()
+        self._opened: weakref.WeakSet[_Conn] = weakref.WeakSet()  # for close()
         self._lock = threading.Lock()
 
     def call(self, name: str, request: Any) -> Any:
@@ -173,20 +199,19 @@ class LaneClient:
         number, _, reply_type = METHODS[name]
         payload = request.SerializeToString()
         try:
-            sock = self._socket()
+            conn = self._conn()
         except OSError as exc:  # no lane there (refused, gone): nothing was sent
             message = f"lane {self.path}: {exc}"
             raise LaneError(grpc.StatusCode.UNAVAILABLE, message, sent=False) from None
         try:
-            sock.sendall(_HEADER.pack(len(payload), number) + payload)
+            conn.sock.sendall(_HEADER.pack(len(payload), number) + payload)
         except OSError as exc:  # reset, timed out, closed: it may have been done
-            self._fail(exc)
-            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}") from None
+            raise self._fail(conn, exc) from None
         pending = _Pending()
-        self._local.queue.append(pending)
+        conn.queue.append(pending)
 
         def wait() -> Any:
-            self._settle(sock, pending)
+            self._settle(conn, pending)
             if pending.error is not None:
                 raise pending.error
             assert pending.reply is not None  # settled: one or the other
@@ -197,28 +222,29 @@ class LaneClient:
 
         return wait
 
-    def _settle(self, sock: socket.socket, target: _Pending) -> None:
+    def _settle(self, conn: _Conn, target: _Pending) -> None:
         """Read replies in order until ``target``'s is in."""
-        queue: deque[_Pending] = self._local.queue
         while target.reply is None and target.error is None:
-            head = queue.popleft()
+            head = conn.queue.popleft()
             try:
-                head.reply = _receive(sock)
+                head.reply = _receive(conn.sock)
             except OSError as exc:
-                head.error = self._fail(exc)
+                head.error = self._fail(conn, exc)
 
-    def _fail(self, exc: OSError) -> LaneError:
+    def _fail(self, conn: _Conn, exc: OSError) -> LaneError:
         """The connection broke: every reply still awaited on it fails too."""
         error = LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}")
-        for pending in getattr(self._local, "queue", ()):
+        for pending in conn.queue:
             pending.error = error
-        self._drop()
+        conn.queue.clear()
+        conn.close()
         return error
 
-    def _socket(self) -> socket.socket:
-        sock: socket.socket | None = getattr(self._local, "sock", None)
-        if sock is not None:
-            return sock
+    def _conn(self) -> _Conn:
+        """This thread's connection, opened (with its hello) if it has none."""
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is not None and not conn.closed:
+            return conn
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -231,27 +257,38 @@ class LaneClient:
         if code != grpc.StatusCode.OK:
             sock.close()
             raise LaneError(code, body.decode("utf-8", "replace"))
-        self._local.sock, self._local.queue = sock, deque()
+        conn = self._local.conn = _Conn(sock)
         with self._lock:
-            self._opened.add(sock)
-        return sock
-
-    def _drop(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        self._local.sock, self._local.queue = None, deque()
-        if sock is not None:
-            with self._lock:
-                self._opened.discard(sock)
-            sock.close()
+            self._opened.add(conn)
+        return conn
 
     def close(self) -> None:
-        """Close every thread's connection (call when no thread uses the lane any
-        more: a later call opens a new one)."""
+        """Close every thread's connection: a call in flight on one fails (UNAVAILABLE),
+        a later call opens a new one."""
         with self._lock:
-            opened, self._opened = self._opened, set()
-        for sock in opened:
-            sock.close()
-        self._local = threading.local()
+            opened, self._opened = list(self._opened), weakref.WeakSet()
+        for conn in opened:
+            conn.close()
+
+
+class _Conn:
+    """One thread's lane connection and the replies it awaits. Its socket is closed
+    when it is dropped (its thread ended) if not before."""
+
+    __slots__ = ("__weakref__", "closed", "queue", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.queue: deque[_Pending] = deque()
+        self.closed = False
+        weakref.finalize(self, sock.close)
+
+    def close(self) -> None:
+        """Close it; a thread blocked reading it wakes (and fails)."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
 
 
 @dataclass(slots=True)

@@ -14,11 +14,11 @@ import functools
 from dataclasses import dataclass
 
 from lmtier.chunks.encoding import HeaderTemplate
-from lmtier.chunks.format import ChunkGeometry, DecodedChunk
+from lmtier.chunks.format import ChunkGeometry, DecodedChunk, decode_as
 from lmtier.chunks.integrity import ChunkMac
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey, Namespace
 from lmtier.config import chunk_size_problem
-from lmtier.errors import InvalidRequestError, brief
+from lmtier.errors import CorruptChunk, InvalidRequestError, brief
 from lmtier.kv_spec import ChunkFramer, KVSpec
 from lmtier.storage.check import ChunkCheck
 from lmtier.v1 import sidecar_pb2 as pb
@@ -28,6 +28,7 @@ __all__ = [
     "MAX_NAMESPACES",
     "NamespaceCheck",
     "SessionSpace",
+    "check_written",
     "parse_keys",
     "template_of",
 ]
@@ -123,6 +124,19 @@ class SessionSpace:
 def template_of(space: SessionSpace) -> HeaderTemplate:
     """The header template of ``space``'s full chunks (what clients frame them with)."""
     return ChunkFramer(space.spec, space.chunk_size).template
+
+
+def check_written(space: SessionSpace, key: ChunkKey, data: memoryview, index: int) -> None:
+    """That ``data`` (a slab a client filled, cut to the length it gave) is chunk ``key``
+    in ``space``'s geometry: InvalidRequestError naming chunk ``index`` if not."""
+    if template_of(space).frames(data, key):
+        return  # the header the facade's framer writes: one compare, no decode
+    try:
+        chunk = decode_as(key, data, verify=False)
+    except CorruptChunk as exc:
+        raise InvalidRequestError(f"chunk {index}: not a valid chunk ({exc})") from None
+    if not space.geometry.matches(chunk.meta):
+        raise InvalidRequestError(f"chunk {index}: not of its namespace's KV geometry")
 
 
 def to_wire(namespace: Namespace) -> pb.Namespace:

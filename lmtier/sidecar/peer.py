@@ -32,7 +32,7 @@ from lmtier.sidecar.auth import Authenticator, server_credentials
 from lmtier.sidecar.listen import parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.pieces import chunk_pieces
-from lmtier.sidecar.status import status_of
+from lmtier.sidecar.status import lenient, parsed, status_of
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.node import LocalNode
 from lmtier.v1 import sidecar_pb2 as pb
@@ -87,7 +87,7 @@ class PeerServer:
         )
         handler = grpc.unary_stream_rpc_method_handler(
             self.Fetch,
-            request_deserializer=pb.PeerFetchRequest.FromString,
+            request_deserializer=lenient(pb.PeerFetchRequest),
             response_serializer=None,
         )
         server.add_generic_rpc_handlers(
@@ -135,7 +135,8 @@ class PeerServer:
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
             principal = self.auth.authenticate(context.invocation_metadata())
-            if principal.models is not None or principal.salts is not None:
+            request = parsed(request)
+            if not principal.reaches_all:
                 raise PermissionError(
                     f"{principal.name} is scoped to some models or salts: peers fetch "
                     "with a node token that covers every namespace"

@@ -253,12 +253,16 @@ def decode_piece(raw: bytes | memoryview) -> Piece:
             raise InvalidRequestError(f"a malformed chunk piece: wire type {kind} is not valid")
     if at != len(view):
         raise InvalidRequestError("a malformed chunk piece: a field runs past its end")
+    try:
+        tier = str(spans.get(_TIER, _EMPTY), "utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("a malformed chunk piece: its tier is not UTF-8") from None
     return Piece(
         session_id=bytes(spans.get(_SESSION, _EMPTY)),
         key=bytes(spans.get(_KEY, _EMPTY)),
         total_length=numbers.get(_TOTAL, 0),
         offset=numbers.get(_OFFSET, 0),
         data=spans.get(_DATA, _EMPTY),
-        tier=str(spans.get(_TIER, _EMPTY), "utf-8"),
+        tier=tier,
         data_at=data_at,
     )

@@ -45,6 +45,7 @@ from lmtier.sidecar.peer import PeerServer
 from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shm import SharedRegion
+from lmtier.sidecar.status import lenient
 from lmtier.storage.cpu_tier import open_memory_tier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.plugins import open_tiers
@@ -240,11 +241,7 @@ class Sidecar:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if service is not None:
-            service.draining = True
-            for session in service.parts.sessions:
-                session.ended.set()
-        if self._lane is not None:
-            await self._lane.close()
+            await self._finish_calls(service, deadline)
         if server is not None:
             await server.stop(max(0.0, (deadline - time.monotonic()) / 2))
         for task in self._tasks:
@@ -263,6 +260,19 @@ class Sidecar:
                 service.parts.sessions.close(session)
         self._release()
         logger.info("lmtier sidecar stopped")
+
+    async def _finish_calls(self, service: SidecarService, deadline: float) -> None:
+        """Refuse new calls, let those in flight (on the lane too) finish within half
+        the time left, then end the sessions: ending one ends its leases, so a call
+        that grants some must finish first."""
+        service.draining = True
+        grace = max(0.0, (deadline - time.monotonic()) / 2)
+        if self._lane is not None:
+            await self._lane.close(grace)
+        if not await service.in_flight.wait_idle(deadline - time.monotonic() - grace):
+            logger.warning("drain: %d call(s) still in flight", service.in_flight.count)
+        for session in service.parts.sessions:
+            session.ended.set()
 
     def _release(self) -> None:
         """The last of a drain: metrics, the pool and its file, the socket."""
@@ -300,7 +310,7 @@ def method_handlers(service: SidecarService) -> grpc.GenericRpcHandler:
         make = kinds[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(
             getattr(service, method.name),
-            request_deserializer=None if method.name == "StoreStream" else request.FromString,
+            request_deserializer=None if method.name == "StoreStream" else lenient(request),
             response_serializer=None if method.name == "LoadStream" else reply.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -10,9 +10,7 @@ I/O: tier calls are the manager's coroutines; the rest is hashing, header checks
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,25 +19,26 @@ import grpc
 import numpy as np
 
 from lmtier import __version__
-from lmtier.chunks.format import decode_as
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
-from lmtier.errors import CapacityError, CorruptChunk, InvalidRequestError
+from lmtier.errors import CapacityError, InvalidRequestError
 from lmtier.sidecar.auth import Authenticator, Principal
+from lmtier.sidecar.calls import InFlight, answer, session_stream, streaming, unary
+from lmtier.sidecar.holds import Incoming, let_go, reclaim_after
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.namespaces import (
     DIGEST_BYTES,
     MAX_KEYS,
     NamespaceCheck,
     SessionSpace,
+    check_written,
     parse_keys,
-    template_of,
 )
-from lmtier.sidecar.pieces import chunk_pieces, decode_piece
+from lmtier.sidecar.pieces import Piece, chunk_pieces, decode_piece
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
-from lmtier.sidecar.status import Draining, NotOffered, numeric_leaves, status_of
+from lmtier.sidecar.status import Draining, NotOffered, numeric_leaves
 from lmtier.storage.lookup import LoadedChunk, TierSpan
 from lmtier.storage.lookup import Lookup as Found
 from lmtier.storage.manager import StorageManager
@@ -70,54 +69,21 @@ class Parts:
     """The shared host pool, offered to sessions that ask (None: streaming only)."""
 
 
-def _unary(method: Handler) -> Handler:
-    """A handler with one answer (unary, or client-streaming): admission, status codes
-    and metrics (:meth:`SidecarService.answer`)."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def handle(self: SidecarService, request: Any, context: Any) -> Any:
-        async def work() -> Any:
-            return await method(self, request, self._admit(context))
-
-        code, result = await self.answer(name, work())
-        if code is not grpc.StatusCode.OK:
-            await context.abort(code, result)
-        return result
-
-    return handle
-
-
-def _streaming(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """:func:`_unary` for a handler that streams its answer."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def handle(self: SidecarService, request: Any, context: Any) -> AsyncIterator[Any]:
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
-            async for message in method(self, request, self._admit(context), context):
-                yield message
-        except Exception as exc:
-            code, text = status_of(exc, name)
-            await context.abort(code, text)
-        finally:
-            self.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
-
-    return handle
-
-
 class SidecarService(pb_grpc.SidecarServicer):
     """The handlers of ``lmtier.v1.Sidecar`` (see proto/lmtier/v1/sidecar.proto)."""
 
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
+        self.metrics = parts.metrics
+        self.in_flight = InFlight()
+        """Calls being served: a drain lets them finish before it ends the sessions."""
         self.draining = False
         self.lane = ""
         """The lane's socket path, offered to shared-memory sessions (:mod:`.lane`)."""
         self._piece = parts.config.sidecar.stream_piece_bytes
 
-    def _admit(self, context: Any) -> Principal:
+    def admit(self, context: Any) -> Principal:
+        """The caller of a gRPC call, if the sidecar is serving (:meth:`check_serving`)."""
         self.check_serving()
         return self.parts.auth.authenticate(context.invocation_metadata())
 
@@ -127,24 +93,16 @@ class SidecarService(pb_grpc.SidecarServicer):
             raise Draining("the sidecar is draining: retry against its successor")
 
     async def answer(self, name: str, work: Awaitable[Any]) -> tuple[grpc.StatusCode, Any]:
-        """Run call ``name``'s work: (OK, its reply), or the status code and message of
-        its failure, never a trace; the call is timed and counted either way. The gRPC
-        handlers and the lane (:mod:`.lane`) answer through it."""
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
-            return code, await work
-        except Exception as exc:
-            code, message = status_of(exc, name)
-            return code, message
-        finally:
-            self.parts.metrics.observe_call(name, time.perf_counter() - started, code.name)
+        """Run call ``name``'s work (:func:`.calls.answer`): the gRPC handlers and the
+        lane (:mod:`.lane`) answer through it."""
+        return await answer(self, name, work)
 
     def _session(self, session_id: bytes, principal: Principal) -> Session:
         return self.parts.sessions.get(session_id, principal)
 
     # ---- sessions ----------------------------------------------------------------
 
-    @_streaming
+    @session_stream
     async def OpenSession(
         self, request: pb.OpenSessionRequest, principal: Principal, context: Any
     ) -> AsyncIterator[pb.SessionEvent]:
@@ -160,11 +118,17 @@ class SidecarService(pb_grpc.SidecarServicer):
                 f"a chunk of this namespace is {space.chunk_bytes} bytes; the sidecar's slabs "
                 f"hold {slab_bytes} (raise sidecar.slab_bytes, or use a smaller chunk_size)"
             )
-        shm = self.parts.shm if request.shared_memory else None
+        # A token scoped to some namespaces streams: the shared pool holds every
+        # tenant's chunks, and whoever maps it can read (and write) all of them.
+        shm = self.parts.shm if request.shared_memory and principal.reaches_all else None
         self.parts.check.register(space)
-        session = self.parts.sessions.open(
-            space, principal, shared_memory=shm is not None, client_name=request.client_name
-        )
+        try:
+            session = self.parts.sessions.open(
+                space, principal, shared_memory=shm is not None, client_name=request.client_name
+            )
+        except BaseException:
+            self.parts.check.unregister(space)  # refused (max_sessions): not live
+            raise
         logger.info(
             "session opened: %s (%s), model %s, rank %d/%d, %s",
             request.client_name or "unnamed client",
@@ -228,7 +192,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             return keys
         return parse_keys(request.keys, space.digest)
 
-    @_unary
+    @unary
     async def Lookup(self, request: pb.LookupRequest, principal: Principal) -> pb.LookupReply:
         session = self._session(request.session_id, principal)
         keys = self._keys(session, request)
@@ -266,7 +230,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             at = span.stop
         return Found(at, tuple(spans))
 
-    @_unary
+    @unary
     async def Load(self, request: pb.LoadRequest, principal: Principal) -> pb.LoadReply:
         session = self._session(request.session_id, principal)
         if not session.shared_memory:
@@ -290,29 +254,36 @@ class SidecarService(pb_grpc.SidecarServicer):
                 left.release()
         return reply
 
-    @_streaming
+    @streaming
     async def LoadStream(
         self, request: pb.LoadRequest, principal: Principal, context: Any
     ) -> AsyncIterator[bytes]:
-        """Yields serialized ``ChunkPiece`` messages (:mod:`.pieces`)."""
+        """Yields serialized ``ChunkPiece`` messages (:mod:`.pieces`). Each chunk's slab
+        is given back once its messages are made (they hold copies); the slabs of
+        those not sent yet are reclaimed after ``lease_ttl_s``, as a lease's would be,
+        so a reader that stops reading holds nothing past it: the stream ends there."""
         session = self._session(request.session_id, principal)
         chunks = await self._get(session, request)
+        reclaim = reclaim_after(self.parts.sessions.lease_ttl_s, chunks)
         try:
             for loaded in chunks:
+                if loaded.handle.released:
+                    return  # reclaimed: the rest is a miss to the client
                 decoded = loaded.chunk
                 length = decoded.payload_offset + len(decoded.payload)
                 view = loaded.handle.view
-                for piece in chunk_pieces(loaded.key, view, length, self._piece, tier=loaded.tier):
-                    yield piece
+                pieces = list(chunk_pieces(loaded.key, view, length, self._piece, tier=loaded.tier))
                 loaded.release()
+                for piece in pieces:
+                    yield piece
         finally:
+            reclaim.cancel()
             for loaded in chunks:
-                if not loaded.handle.released:
-                    loaded.release()
+                let_go(loaded.handle)
 
     # ---- stores --------------------------------------------------------------------
 
-    @_unary
+    @unary
     async def AcquireSlabs(
         self, request: pb.AcquireSlabsRequest, principal: Principal
     ) -> pb.AcquireSlabsReply:
@@ -342,7 +313,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             reply.slabs.add(lease=lease, slab=handle.index)
         return reply
 
-    @_unary
+    @unary
     async def Commit(self, request: pb.CommitRequest, principal: Principal) -> pb.StoreReply:
         session = self._session(request.session_id, principal)
         taken: list[tuple[ChunkKey, SlabHandle, int]] = []
@@ -378,57 +349,55 @@ class SidecarService(pb_grpc.SidecarServicer):
             raise PermissionError(f"chunk {index}: its key is of no namespace you opened")
         if not 0 < length <= len(handle.view):
             raise InvalidRequestError(f"chunk {index}: length {length} does not fit a slab")
-        data = handle.view[:length]
-        if template_of(space).frames(data, key):
-            return  # the header the facade's framer writes: one compare, no decode
-        try:
-            chunk = decode_as(key, data, verify=False)
-        except CorruptChunk as exc:
-            raise InvalidRequestError(f"chunk {index}: not a valid chunk ({exc})") from None
-        if not space.geometry.matches(chunk.meta):
-            raise InvalidRequestError(f"chunk {index}: not of its namespace's KV geometry")
+        check_written(space, key, handle.view[:length], index)
 
-    @_unary
+    @unary
     async def StoreStream(
         self, pieces: AsyncIterator[bytes], principal: Principal
     ) -> pb.StoreReply:
         session: Session | None = None
         stored = dropped = 0
-        key, handle, length, filled = ChunkKey(b""), None, 0, 0
+        current: Incoming | None = None
         try:
             async for raw in pieces:
                 piece = decode_piece(raw)
                 if session is None:
                     session = self._session(piece.session_id, principal)
-                if filled == length:  # a new chunk starts
-                    if piece.offset != 0 or not piece.key:
-                        raise InvalidRequestError("a chunk's first piece has its key, offset 0")
-                    key, length, filled = ChunkKey(piece.key), piece.total_length, 0
-                    if not 0 < length <= self.parts.pool.slab_bytes:
-                        raise InvalidRequestError(f"a chunk of {length} bytes does not fit a slab")
-                    got = self.parts.manager.acquire_slabs(1, True)
-                    handle = got[0] if got else None
-                if piece.offset != filled or filled + len(piece.data) > length:
-                    raise InvalidRequestError("chunk pieces must come in order, within its length")
-                if handle is not None:
-                    handle.view[filled : filled + len(piece.data)] = piece.data
-                filled += len(piece.data)
-                if filled == length:
-                    if handle is None:
-                        dropped += 1
-                        continue
+                if current is None:  # a new chunk starts
+                    current = self._incoming(piece)
+                if not current.add(piece):
+                    continue
+                key, length, handle = current.key, current.length, current.take()
+                current = None
+                if handle is None:
+                    dropped += 1
+                    continue
+                try:
                     self._check_chunk(session, key, handle, length, stored + dropped)
-                    done, handle = self.parts.manager.put_many([(key, handle, length)]), None
-                    stored += done
-                    dropped += 1 - done
-            if filled != length:
+                except BaseException:
+                    handle.release()
+                    raise
+                done = self.parts.manager.put_many([(key, handle, length)])
+                stored += done
+                dropped += 1 - done
+            if current is not None:
                 raise InvalidRequestError("the stream ended inside a chunk")
         finally:
-            if handle is not None:
-                handle.release()
+            if current is not None:
+                current.close()
         return pb.StoreReply(stored=stored, dropped=dropped)
 
-    @_unary
+    def _incoming(self, piece: Piece) -> Incoming:
+        """The chunk a store stream's piece starts, with a slab if one is free."""
+        if piece.offset != 0 or not piece.key:
+            raise InvalidRequestError("a chunk's first piece has its key, offset 0")
+        if not 0 < piece.total_length <= self.parts.pool.slab_bytes:
+            raise InvalidRequestError(f"a chunk of {piece.total_length} bytes does not fit a slab")
+        got = self.parts.manager.acquire_slabs(1, True)
+        ttl_s = self.parts.sessions.lease_ttl_s
+        return Incoming(ChunkKey(piece.key), piece.total_length, got[0] if got else None, ttl_s)
+
+    @unary
     async def Release(self, request: pb.ReleaseRequest, principal: Principal) -> pb.ReleaseReply:
         session = self._session(request.session_id, principal)
         self.parts.sessions.release(session, request.leases)
@@ -436,7 +405,7 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     # ---- operations ----------------------------------------------------------------
 
-    @_unary
+    @unary
     async def Flush(self, request: pb.FlushRequest, principal: Principal) -> pb.FlushReply:
         self._session(request.session_id, principal)
         timeout = request.timeout_s or self.parts.config.sidecar.drain_timeout_s
@@ -446,7 +415,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             return pb.FlushReply(done=False)
         return pb.FlushReply(done=True)
 
-    @_unary
+    @unary
     async def Stats(self, request: pb.StatsRequest, principal: Principal) -> pb.StatsReply:
         self._session(request.session_id, principal)
         reply = pb.StatsReply()
@@ -460,17 +429,9 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     def gauges(self) -> dict[str, float]:
         """The sidecar's own gauges (Stats, and /metrics)."""
-        sessions, pool = self.parts.sessions, self.parts.pool
-        return {
-            "sessions": len(sessions),
-            "clients": sessions.num_clients,
-            "leases": sessions.num_leases,
-            "leases_expired": sessions.expired,
-            "slabs_total": pool.num_slabs,
-            "slabs_in_use": pool.num_in_use,
-        }
+        return self.parts.sessions.gauges(self.parts.pool)
 
-    @_unary
+    @unary
     async def Purge(self, request: pb.PurgeRequest, principal: Principal) -> pb.PurgeReply:
         session = self._session(request.session_id, principal)
         manager, digest = self.parts.manager, session.space.digest
@@ -480,7 +441,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             deleted = await manager.purge(digest)
         return pb.PurgeReply(deleted={k: v for k, v in deleted.items() if v >= 0})
 
-    @_unary
+    @unary
     async def Pin(self, request: pb.PinRequest, principal: Principal) -> pb.PinReply:
         session = self._session(request.session_id, principal)
         digest = session.space.digest

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from lmtier.errors import CapacityError, LMTierError
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.namespaces import SessionSpace
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.memory import HostPool, SlabHandle
 
 __all__ = ["Lease", "Session", "SessionNotFound", "Sessions"]
 
@@ -103,6 +103,17 @@ class Sessions:
         """Distinct client names with a session open."""
         return len({s.client_name for s in self._sessions.values()})
 
+    def gauges(self, pool: HostPool) -> dict[str, float]:
+        """The sidecar's own gauges (Stats, and /metrics): sessions, leases, slabs."""
+        return {
+            "sessions": len(self._sessions),
+            "clients": self.num_clients,
+            "leases": self.num_leases,
+            "leases_expired": self.expired,
+            "slabs_total": pool.num_slabs,
+            "slabs_in_use": pool.num_in_use,
+        }
+
     def open(
         self, space: SessionSpace, principal: Principal, *, shared_memory: bool, client_name: str
     ) -> Session:
@@ -179,8 +190,10 @@ class Sessions:
 
     def reap(self) -> int:
         """End every lease past its deadline; how many. A client that held a slab that
-        long is stuck or gone: its slabs go back to the pool, and its session ends so
-        that it learns (its next call fails and it reopens)."""
+        long is stuck or gone: the slab goes back to the pool (the client refuses to
+        touch a lease past its deadline, which it counts from before the call that
+        took it). Its session and its other leases stay: they are another load's,
+        still being read."""
         now = self._clock()
         reaped = 0
         for session in list(self._sessions.values()):
@@ -189,11 +202,10 @@ class Sessions:
                 continue
             reaped += self.release(session, late)
             logger.warning(
-                "session of %s held %d slab(s) past their %.0f s lease: reclaimed, session ended",
+                "session of %s held %d slab(s) past their %.0f s lease: reclaimed",
                 session.client_name or "a client",
                 len(late),
                 self.lease_ttl_s,
             )
-            self.close(session)
         self.expired += reaped
         return reaped

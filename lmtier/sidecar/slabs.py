@@ -58,6 +58,7 @@ class RemoteSlab(SoleLease):
         self._session = session
         self._connection = connection
         self._deadline = deadline
+        connection.hold(session)  # its session stays open while this is held
 
     @property
     def lease(self) -> int:
@@ -69,10 +70,13 @@ class RemoteSlab(SoleLease):
 
     def _end(self) -> None:
         self._connection.release(self._session, self._lease)
+        self._connection.unhold(self._session)
 
     def handed_over(self) -> None:
         """The sidecar took the slab (a commit): this lease ends without a release."""
-        self._released = True
+        if not self._released:
+            self._released = True
+            self._connection.unhold(self._session)
 
     def _check_usable(self, what: str) -> None:
         super()._check_usable(what)

@@ -30,8 +30,8 @@ def test_gpu_kv_through_the_pinned_shared_pool(tmp_path: Path) -> None:
             connection = cache._conn()
             session = connection.session(cache.namespace())
             assert session.pool is not None
-            regions = list(connection._regions.values())
-            assert regions and regions[0][0]._registered  # cudaHostRegister succeeded
+            regions = connection.pools.regions()
+            assert regions and regions[-1]._registered  # cudaHostRegister succeeded
             ids = list(range(2048))
             kv = torch.randn(SPEC.shape(2048), device="cuda", dtype=torch.float16)
             assert cache.store(ids, kv) == 8

@@ -233,7 +233,7 @@ def test_tokens_with_one_name_and_scope_do_not_share_sessions(
 def test_another_token_cannot_end_a_sessions_leases(
     stub: pb_grpc.SidecarStub, admin: Session
 ) -> None:
-    with tenant(stub, TENANT_A, "salt-a") as a:
+    with open_session(stub, metadata=bearer(ADMIN)) as a:
         grants = stub.AcquireSlabs(
             pb.AcquireSlabsRequest(session_id=a.id, count=2),
             metadata=a.metadata,
@@ -241,7 +241,7 @@ def test_another_token_cannot_end_a_sessions_leases(
         ).slabs
         assert len(grants) == 2
         leases = [g.lease for g in grants]
-        for token in (TENANT_B, ADMIN):
+        for token in (TENANT_A, TENANT_B):
             expect_code(
                 Code.NOT_FOUND,
                 stub.Release,
@@ -255,6 +255,23 @@ def test_another_token_cannot_end_a_sessions_leases(
             timeout=CALL_TIMEOUT_S,
         )
         assert gauges(stub, a)["leases"] == 0
+
+
+def test_only_a_token_of_every_namespace_is_handed_the_shared_pool(
+    stub: pb_grpc.SidecarStub, admin: Session
+) -> None:
+    """The pool holds every tenant's chunks: a scoped token that asks for shared memory
+    gets a streaming session (its KV moves over gRPC), never the pool's mapping."""
+    assert admin.info.HasField("shm") and admin.info.lane
+    with tenant(stub, TENANT_A, "salt-a", shared_memory=True) as a:
+        assert not a.info.HasField("shm") and not a.info.lane
+        for call, request in (
+            (stub.AcquireSlabs, pb.AcquireSlabsRequest(session_id=a.id, count=1)),
+            (stub.Load, pb.LoadRequest(session_id=a.id, keys=bytes(32))),
+        ):
+            expect_code(Code.FAILED_PRECONDITION, call, request, metadata=a.metadata)
+        key = a.key()
+        assert store_stream(stub, a, [(key, chunk_for(key))]).stored == 1
 
 
 SCOPES = {
@@ -302,29 +319,24 @@ def test_tenants_cannot_reach_each_others_chunks(
         reply = stub.Lookup(pb.LookupRequest(session_id=a.id, tokens=tokens), metadata=a.metadata)
         assert reply.num_chunks == 0
         assert reply.keys != keys_b
-        # B's keys through A's session: refused, whichever call carries them.
+        # B's keys through A's session: refused, whichever call carries them (A's
+        # scoped token has no shared memory: the pool holds B's chunks too).
         for call, request in [
             (stub.Lookup, pb.LookupRequest(session_id=a.id, keys=keys_b)),
-            (stub.Load, pb.LoadRequest(session_id=a.id, keys=keys_b)),
             (stub.LoadStream, pb.LoadRequest(session_id=a.id, keys=keys_b)),
         ]:
             expect_code(Code.PERMISSION_DENIED, call, request, metadata=a.metadata)
+        for call, request in [
+            (stub.Load, pb.LoadRequest(session_id=a.id, keys=keys_b)),
+            (stub.AcquireSlabs, pb.AcquireSlabsRequest(session_id=a.id, count=1)),
+        ]:
+            expect_code(Code.FAILED_PRECONDITION, call, request, metadata=a.metadata)
         # Nor can A overwrite or plant chunks under B's keys.
         planted = [(keys_b[:32], chunk_for(keys_b[:32], seed=99))]
         expect_code(
             Code.PERMISSION_DENIED,
             stub.StoreStream,
             pieces(a.id, planted),
-            metadata=a.metadata,
-        )
-        (grant,) = stub.AcquireSlabs(
-            pb.AcquireSlabsRequest(session_id=a.id, count=1), metadata=a.metadata
-        ).slabs
-        commit = pb.CommittedSlab(lease=grant.lease, key=keys_b[:32], length=len(planted[0][1]))
-        expect_code(
-            Code.PERMISSION_DENIED,
-            stub.Commit,
-            pb.CommitRequest(session_id=a.id, chunks=[commit]),
             metadata=a.metadata,
         )
         # A's purge is of A's namespace only.

@@ -87,24 +87,27 @@ def test_leases_are_per_session_and_per_principal(pool: HostPool) -> None:
     asyncio.run(run())
 
 
-def test_expired_leases_are_reclaimed_and_end_their_session(pool: HostPool) -> None:
+def test_only_expired_leases_are_reclaimed(pool: HostPool) -> None:
+    """A late lease ends; its session and that session's fresh leases (another load,
+    still being read) stay."""
+
     async def run() -> None:
         clock = Clock()
         sessions = Sessions(max_sessions=4, lease_ttl_s=5, clock=clock)
         stuck = sessions.open(space(), ALICE, shared_memory=True, client_name="stuck")
         fine = sessions.open(space(), ALICE, shared_memory=True, client_name="fine")
-        first = pool.acquire()
-        assert first is not None
-        sessions.grant(stuck, first, writable=False)
+        first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
+        assert first is not None and second is not None and third is not None
+        late = sessions.grant(stuck, first, writable=False)
         clock.now = 4.0
-        second = pool.acquire()
-        assert second is not None
-        sessions.grant(fine, second, writable=False)
+        fresh = sessions.grant(stuck, second, writable=False)
+        sessions.grant(fine, third, writable=False)
         assert sessions.reap() == 0
         clock.now = 5.0
         assert sessions.reap() == 1
-        assert stuck.closed and not fine.closed and sessions.expired == 1
-        assert pool.num_in_use == 1
+        assert not stuck.closed and not fine.closed and sessions.expired == 1
+        assert late not in stuck.leases and fresh in stuck.leases
+        assert pool.num_in_use == 2 and not second.released
 
     asyncio.run(run())
 
