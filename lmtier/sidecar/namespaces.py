@@ -200,6 +200,11 @@ class NamespaceCheck(ChunkCheck):
             for digest in idle[: len(geometries) - MAX_NAMESPACES]:
                 del geometries[digest]
 
+    @property
+    def num_live(self) -> int:
+        """Namespaces with a session open (their geometries are never dropped)."""
+        return len(self._live)
+
     def unregister(self, space: SessionSpace) -> None:
         """A session on ``space`` closed."""
         left = self._live.get(space.digest, 0) - 1

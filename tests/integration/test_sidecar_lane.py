@@ -6,6 +6,7 @@ that a client whose lane vanishes carries on over gRPC."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 from collections.abc import Iterator
@@ -208,3 +209,28 @@ def test_the_client_carries_on_over_grpc_when_the_lane_is_gone(tmp_path: Path) -
             assert session.lane is None
         finally:
             cache.close()
+
+
+def test_a_drain_closes_open_lane_connections_cleanly(tmp_path: Path) -> None:
+    """SIGTERM with lane connections open (one idle after a call, one mid-frame): the
+    sidecar closes them itself and exits 0, logging no error and no traceback."""
+    with SidecarProcess(tmp_path, SETTINGS) as process:
+        with grpc.insecure_channel(process.target) as channel:
+            stub = pb_grpc.SidecarStub(channel)
+            with open_session(stub, metadata=bearer(TOKEN)) as opened:
+                idle, partial = Lane(opened.info.lane), Lane(opened.info.lane)
+                try:
+                    hello(idle)
+                    request = pb.LookupRequest(session_id=opened.id, keys=opened.key())
+                    code, _ = idle.call(1, request.SerializeToString())
+                    assert code == grpc.StatusCode.OK
+                    hello(partial)
+                    partial.sock.sendall(HEADER.pack(100, 1) + b"half")  # never finished
+                    process.signal(signal.SIGTERM)
+                    assert process.wait() == 0
+                    assert idle.closed_by_peer() and partial.closed_by_peer()
+                finally:
+                    idle.close()
+                    partial.close()
+        log = process.log()
+        assert "Traceback" not in log and '"level": "ERROR"' not in log, log[-3000:]
