@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -16,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from disk_files import CHUNK_LEN, GIB, run
+from disk_files import CHUNK_LEN, GIB, chunk_files, run
 
 from lmtier.errors import ConfigError
 from lmtier.testing import make_chunk
@@ -196,3 +197,65 @@ def test_a_writer_over_capacity_adopts_and_evicts_files_it_did_not_write(tmp_pat
         await tier.close()
 
     run(scenario)
+
+
+def ledger_total(path: Path) -> int:
+    """The directory's byte counter as every process reads it (``v1/ledger``)."""
+    return int.from_bytes((path / "v1" / "ledger").read_bytes()[:8], "little", signed=True)
+
+
+@pytest.mark.parametrize("removed", ["the whole path", "one shard"])
+def test_a_directory_removed_while_open_is_recreated_by_the_next_write(
+    tmp_path: Path, removed: str
+) -> None:
+    """An operator's ``rm -rf`` (or a tmp cleaner) under an open tier: the next write
+    recreates what is gone, private as at open, and lands; the ledger counts exactly
+    the bytes on disk. It failed every write until a restart."""
+    path = tmp_path / "cache"
+    before = [make_chunk(seed=i) for i in range(8)]
+    after = [make_chunk(seed=100 + i) for i in range(8)]
+
+    async def scenario() -> tuple[int, list[int | None], list[int | None], int]:
+        tier = await DiskTier.open(path, GIB, io_threads=2)
+        assert await tier.put(before) == 8
+        if removed == "the whole path":
+            shutil.rmtree(path)
+        else:  # the shard of the first new chunk: files elsewhere stay
+            shutil.rmtree(Path(tier.path_of(after[0][0])).parent)
+        stored = await tier.put(after)
+        new = await tier.get_into([k for k, _ in after], buffers(8))
+        old = await tier.get_into([k for k, _ in before], buffers(8))
+        errors = tier.stats.errors
+        await tier.close()
+        return stored, new, old, errors
+
+    stored, new, old, errors = run(scenario)
+    assert stored == 8 and new == [CHUNK_LEN] * 8 and errors == 0
+    if removed == "the whole path":
+        assert old == [None] * 8
+    assert ledger_total(path) == chunk_bytes_on_disk(path)
+    for directory in (path / "v1", path / "v1" / "tmp", *{p.parent for p in chunk_files(path)}):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+
+def test_a_process_sharing_a_removed_directory_counts_in_the_recreated_ledger(
+    tmp_path: Path,
+) -> None:
+    """Two tiers on one directory (as two processes: each its own ledger descriptor).
+    After the directory is removed, the first to write recreates it; the other's
+    writes then count in the new ledger, not in the removed file."""
+    chunks = [make_chunk(seed=i) for i in range(12)]
+
+    async def scenario() -> None:
+        first = await DiskTier.open(tmp_path, GIB)
+        second = await DiskTier.open(tmp_path, GIB)
+        assert await first.put(chunks[:2]) == 2 and await second.put(chunks[2:4]) == 2
+        shutil.rmtree(tmp_path / "v1")
+        assert await first.put(chunks[4:8]) == 4  # recreates it
+        assert await second.put(chunks[8:]) == 4  # its directory is there again
+        await first.close()
+        await second.close()
+
+    run(scenario)
+    assert chunk_bytes_on_disk(tmp_path) == 8 * CHUNK_LEN
+    assert ledger_total(tmp_path) == 8 * CHUNK_LEN

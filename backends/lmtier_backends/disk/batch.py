@@ -30,6 +30,7 @@ from typing import Any, Final
 
 from lmtier.storage.blocking import finish
 from lmtier_backends.disk.io import commit_writes, write_file
+from lmtier_backends.disk.layout import restore_dirs
 from lmtier_backends.disk.ledger import Ledger
 
 __all__ = ["NOT_RUN", "WrittenBatch", "fan_out", "write_batch"]
@@ -123,9 +124,23 @@ async def write_batch(
 ) -> WrittenBatch:
     """Write each ``(final path, temp path, bytes)`` with :func:`~.io.write_file` on up to
     ``workers`` threads, then in one hop count the batch in ``ledger`` and, if
-    ``durable``, flush it to stable storage (:func:`~.io.commit_writes`)."""
+    ``durable``, flush it to stable storage (:func:`~.io.commit_writes`).
+
+    A file whose directory was missing (FileNotFoundError) has ``root`` recreated and
+    ``ledger`` reset from a scan, if part of it was removed (:func:`~.layout.restore_dirs`);
+    the whole batch is then written again: files that landed before the removal are
+    gone, or are replaced and counted as such, so the ledger gains exactly the bytes of
+    what stands."""
     write = functools.partial(write_file, direct=direct, mode=mode)
     outcomes = await fan_out(pool, workers, write, files)
+    if any(isinstance(outcome, FileNotFoundError) for outcome in outcomes):
+        restore = functools.partial(restore_dirs, root, mode, ledger)
+        try:
+            restored = await finish(asyncio.get_running_loop().run_in_executor(pool, restore))
+        except OSError:  # it cannot be recreated: the writes' own errors say why
+            restored = False
+        if restored:
+            outcomes = await fan_out(pool, workers, write, files)
     placed = [isinstance(outcome, int) for outcome in outcomes]
     paths = [final for (final, _, _), ok in zip(files, placed, strict=True) if ok]
     added = sum(outcome for outcome, ok in zip(outcomes, placed, strict=True) if ok)

@@ -29,12 +29,20 @@ created (a read-only or foreign directory is a ConfigError at open, naming
 files and sets the shared ledger from them. Several processes may share one
 directory, so the scan tolerates files that vanish under it, and deletes only the
 temp files no live process may still be writing.
+
+A directory removed while open (an operator clearing the cache with ``rm -rf``, a
+tmp cleaner) is recreated by the next write that finds it gone
+(:func:`restore_dirs`, then the write is retried): the chunks in it are lost, which
+costs misses, but the tier keeps storing instead of failing every write until a
+restart. Index entries of the removed files leave as reads miss them or as they age
+out, like files another process deleted.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import re
 import stat
@@ -55,9 +63,12 @@ __all__ = [
     "list_namespace",
     "make_chunk_dirs",
     "prepare",
+    "restore_dirs",
     "scan_chunk_dir",
     "temp_name",
 ]
+
+logger = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".lmtc"
 PINS_NAME = "pins"
@@ -126,10 +137,15 @@ def _remove_debris(entry: os.DirEntry[str], now: float) -> int:
     return 1
 
 
+def _chunk_dirs(root: str) -> tuple[str, ...]:
+    """``root`` and the directories under it that the layout needs."""
+    return (root, os.path.join(root, "tmp"), *(os.path.join(root, s) for s in _SHARD_NAMES))
+
+
 def make_chunk_dirs(root: str, mode: int) -> None:
     """Create ``root`` with its shard and tmp directories, each with exactly ``mode``
     (the umask cannot widen or narrow it; existing ones are changed too). Blocking."""
-    for path in (root, os.path.join(root, "tmp"), *(os.path.join(root, s) for s in _SHARD_NAMES)):
+    for path in _chunk_dirs(root):
         os.makedirs(path, mode=mode, exist_ok=True)
         if stat.S_IMODE(os.stat(path).st_mode) != mode:
             os.chmod(path, mode)
@@ -213,6 +229,19 @@ def prepare(root: str, file_mode: int, ledger: Ledger) -> ScanResult:
     ledger.open(file_mode)
     ledger.reset(scan.total)
     return scan
+
+
+def restore_dirs(root: str, file_mode: int, ledger: Ledger) -> bool:
+    """Make ``root`` whole again if part of it was removed while open (module
+    docstring); whether it was. Blocking; OSError if it cannot be recreated."""
+    if os.path.exists(ledger.path) and all(os.path.isdir(p) for p in _chunk_dirs(root)):
+        return False
+    make_chunk_dirs(root, dir_mode(file_mode))
+    scan = scan_chunk_dir(root)
+    ledger.open(file_mode)
+    ledger.reset(scan.total)
+    logger.warning("disk directory %s was removed while open; recreated it", root)
+    return True
 
 
 def explain_open_error(path: str, exc: OSError) -> str:

@@ -13,10 +13,12 @@ rate-limited) and evicts those.
 
 The counter only moves on operations that succeeded on the filesystem, so two
 processes evicting the same file count it once (the second unlink finds nothing).
-It is set from a full scan at every open: a process that crashed between a rename
-and its update leaves it short by that file until then. Bytes on disk therefore stay
-within ``capacity_bytes`` plus the chunks being written at that moment by all
-processes, plus such crash drift until the next open.
+It is set from a full scan at every open, and when a process recreates the
+directory after it was removed (every process then counts in the new file). A
+process that crashed between a rename and its update leaves it short by that file
+until then. Bytes on disk therefore stay within ``capacity_bytes`` plus the chunks
+being written at that moment by all processes, plus such crash drift until the next
+open.
 
 One update is an flock, a pread and a pwrite of 8 bytes: a few microseconds, next
 to a chunk write's milliseconds.
@@ -58,14 +60,19 @@ class Ledger:
         """Updates skipped because the flock could not be had in ``LOCK_WAIT_S``."""
 
     def open(self, mode: int) -> None:
-        """Open (creating it with ``mode``) the ledger file. Blocking."""
+        """Open (creating it with ``mode``) the ledger file. Blocking. A descriptor
+        already open is replaced and closed: its file was removed with the directory
+        (:func:`~.layout.restore_dirs`), and counting in it would count in nothing."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
         try:
             os.fchmod(fd, mode)
         except OSError:
             os.close(fd)
             raise
-        self._fd = fd
+        with self._lock:
+            old, self._fd = self._fd, fd
+        if old is not None:
+            os.close(old)
 
     def total(self) -> int:
         """The bytes of chunk files in the directory, as counted: one lock-free pread
@@ -84,7 +91,7 @@ class Ledger:
 
     def _update(self, change: Callable[[int], int]) -> int:
         with self._lock:
-            fd = self._fd
+            fd = self._follow()
             if fd is None or not self._flock(fd):
                 self.missed += 1
                 return -1
@@ -98,6 +105,23 @@ class Ledger:
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             return total
+
+    def _follow(self) -> int | None:
+        """The descriptor to count in (under ``_lock``): the one open, unless its file
+        was removed and the directory recreated since (by another process sharing it:
+        :func:`~.layout.restore_dirs`), then the new file's, opened in its place."""
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            if os.fstat(fd).st_nlink > 0:
+                return fd
+            new = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return fd  # not recreated yet: a write that finds it gone will
+        os.close(fd)
+        self._fd = new
+        return new
 
     @staticmethod
     def _flock(fd: int) -> bool:
