@@ -68,6 +68,7 @@ from lmtier.sidecar.peer import PeerServer
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool
+from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
 from lmtier_backends.peer.fetch import KEEPALIVE_MS, MAX_MESSAGE_BYTES
@@ -125,7 +126,7 @@ async def serve_node_a(url: str, chunks: list[tuple[ChunkKey, bytes]], conn: Con
         peer={"enabled": True, "listen": "127.0.0.1:0"}, sidecar={"auth_token": TOKEN}
     )
     auth = Authenticator([(Secret(TOKEN), Principal("bench-node"))])
-    peer = PeerServer(config, auth, SidecarMetrics(), memory, lock)
+    peer = PeerServer(config, auth, SidecarMetrics(), memory, lock, sealer=Sealer())
     node = await peer.start()
     tier = PeerTier(url, token=Secret(TOKEN), publish_interval_s=0.05)
     await tier.attach_node(node)

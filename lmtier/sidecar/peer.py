@@ -8,6 +8,10 @@ carries only ``Peer``, so a node token cannot open sessions through it.
 * **Only the CPU tier.** A fetch leases each cached chunk's slab (``CPUTier.share``,
   under the StorageManager's lock), streams it, and lets go: never a lower tier, so a
   request never bounces between nodes and a peer's miss costs the asker one round trip.
+* **Sealed bytes only.** A chunk an engine stored is unsealed until its first write
+  down (:mod:`lmtier.storage.sealing`), and the asker verifies what it receives: a
+  fetch seals it first, with the StorageManager's sealer (its MAC key; a write down
+  in flight shares the hash), so a node without lower tiers serves its peers too.
 * **Node tokens only.** A token is always required (a listener without one is a
   ConfigError) and must be unscoped: a token limited to some models or salts could
   otherwise read every tenant's chunks by key, so it gets PERMISSION_DENIED.
@@ -35,6 +39,7 @@ from lmtier.sidecar.pieces import chunk_pieces
 from lmtier.sidecar.status import lenient, parsed, status_of
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.node import LocalNode
+from lmtier.storage.sealing import Sealer
 from lmtier.v1 import sidecar_pb2 as pb
 
 __all__ = ["MAX_FETCH_KEYS", "PEER_SERVICE", "PeerServer"]
@@ -56,6 +61,8 @@ class PeerServer:
         metrics: SidecarMetrics,
         memory: CPUTier,
         lock: threading.RLock,
+        *,
+        sealer: Sealer,
     ) -> None:
         peer = config.peer
         self.config = config
@@ -70,7 +77,7 @@ class PeerServer:
             )
         self.auth = auth
         self.metrics = metrics
-        self.memory, self.lock = memory, lock
+        self.memory, self.lock, self.sealer = memory, lock, sealer
         self._piece = config.sidecar.stream_piece_bytes
         self._server: grpc.aio.Server | None = None
         self.node: LocalNode | None = None
@@ -148,6 +155,8 @@ class PeerServer:
                     continue
                 handle, length = shared
                 try:
+                    if not (await self.sealer.seal([(handle, length)]))[0]:
+                        continue  # not a chunk (logged): a miss for the asker
                     for piece in chunk_pieces(key, handle.view, length, self._piece, tier="peer"):
                         yield piece
                 finally:

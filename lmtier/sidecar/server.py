@@ -145,7 +145,14 @@ class Sidecar:
         (:mod:`.peer`) and tell the tiers, so that the peer tier publishes it."""
         if not (self.config.peer.enabled and self.config.peer.listen):
             return
-        peer = PeerServer(self.config, self.auth, self.metrics, manager.memory, manager.lock)
+        peer = PeerServer(
+            self.config,
+            self.auth,
+            self.metrics,
+            manager.memory,
+            manager.lock,
+            sealer=manager.writes.sealer,
+        )
         try:
             node = await peer.start()
             for tier in manager.tiers:

@@ -14,6 +14,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis_servers import RedisServer
 
+from lmtier.chunks.encoding import HeaderTemplate
+from lmtier.chunks.format import decode
+from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.config.secrets import Secret
 from lmtier.errors import BackendError, ConfigError
@@ -22,6 +25,7 @@ from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.memory import HostPool
+from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
@@ -40,6 +44,7 @@ class Node:
         self.lock = threading.RLock()
         self.server: PeerServer | None = None
         self.tier: PeerTier | None = None
+        self.sealer = Sealer()
 
     async def start(self, *, ttl_s: float = 15.0, interval_s: float = 0.05) -> PeerTier:
         principal = Principal("scoped", models=frozenset({"m"})) if self.scoped else Principal("n")
@@ -47,7 +52,9 @@ class Node:
         config = LMTierConfig(
             peer={"enabled": True, "listen": "127.0.0.1:0"}, sidecar={"auth_token": TOKEN}
         )
-        self.server = PeerServer(config, auth, SidecarMetrics(), self.memory, self.lock)
+        self.server = PeerServer(
+            config, auth, SidecarMetrics(), self.memory, self.lock, sealer=self.sealer
+        )
         node = await self.server.start()
         self.tier = PeerTier(
             self.url, token=Secret(TOKEN), ttl_s=ttl_s, publish_interval_s=interval_s
@@ -60,6 +67,7 @@ class Node:
             await self.tier.close()
         if self.server is not None:
             await self.server.stop(None)
+        self.sealer.close()
         await self.memory.close()
         self.memory.pool.close()
 
@@ -134,6 +142,47 @@ def test_a_node_reads_what_another_holds_bit_exact(redis_server: RedisServer) ->
 
             await _until(withdrawn)
             assert tier_a.publisher is not None and tier_a.publisher.rounds > 0
+        finally:
+            await a.stop()
+            await b.stop()
+
+    _run(body)
+
+
+def unsealed(key: ChunkKey, chunk: bytes) -> bytes:
+    """``chunk`` as an engine's store frames it: no checksum yet (``UNSEALED``)."""
+    meta = decode(chunk).meta
+    data = bytearray(chunk)
+    HeaderTemplate(meta).frame_into(memoryview(data), key, ctime=meta.created, sealed=False)
+    return bytes(data)
+
+
+def test_a_chunk_not_yet_written_down_is_sealed_and_served(redis_server: RedisServer) -> None:
+    """A node with no lower tier holds what its engines stored unsealed (the first
+    write down seals it); a fetch seals it, so the asker's check passes. It was
+    refused as unsealed: the asker missed and deleted the node's directory entry."""
+
+    async def body() -> None:
+        a, b = Node(redis_server.url), Node(redis_server.url)
+        await a.start()
+        tier_b = await b.start()
+        try:
+            chunks = [make_chunk(seed=i) for i in range(4)]
+            keys = [key for key, _ in chunks]
+            with a.lock:
+                assert await a.memory.put([(k, unsealed(k, c)) for k, c in chunks]) == 4
+
+            async def published() -> bool:
+                return await tier_b.contains(keys) == 4
+
+            await _until(published)
+            buffers = _buffers(4)
+            assert await tier_b.get_into(keys, buffers) == [len(c) for _, c in chunks]
+            for (_, chunk), buffer in zip(chunks, buffers, strict=True):
+                assert bytes(buffer[: len(chunk)]) == chunk  # sealed as make_chunk seals
+            assert a.sealer.sealed == 4 and tier_b.stats.corrupt == 0
+            assert await tier_b.get_into(keys, _buffers(4)) == [len(c) for _, c in chunks]
+            assert a.sealer.sealed == 4  # sealed in place, once
         finally:
             await a.stop()
             await b.stop()
@@ -230,7 +279,8 @@ def test_a_listener_needs_a_token() -> None:
     config = LMTierConfig(peer={"enabled": True, "listen": "127.0.0.1:0"})
     memory = CPUTier(HostPool(SLAB, 4, pin=False))
     try:
+        auth, lock = Authenticator(), threading.RLock()
         with pytest.raises(ConfigError, match="token"):
-            PeerServer(config, Authenticator(), SidecarMetrics(), memory, threading.RLock())
+            PeerServer(config, auth, SidecarMetrics(), memory, lock, sealer=Sealer())
     finally:
         memory.pool.close()
