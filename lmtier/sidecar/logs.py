@@ -4,6 +4,12 @@ Every line passes :func:`redact` first, a last line of defence behind
 :class:`~lmtier.config.secrets.Secret`: anything shaped like ``Bearer <token>`` in a
 message, an ``extra`` value or a traceback is masked, in case a token slipped into an
 exception message or a caller's metadata was logged whole.
+
+grpcio itself logs a metadata value that is not UTF-8 whole, at ERROR with a
+traceback, before any check of ours runs: a client without a token can send one, and
+the value may be a token in any form (no scheme, ``Basic``, a custom header), which no
+pattern can find. :class:`GrpcMetadataNoise` turns those records into one DEBUG line
+without the value (the call itself is refused: UNAUTHENTICATED or INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from typing import Any, TextIO
 from lmtier.config.secrets import MASK
 from lmtier.errors import ConfigError, brief
 
-__all__ = ["JsonFormatter", "TextFormatter", "redact", "setup_logging"]
+__all__ = ["GrpcMetadataNoise", "JsonFormatter", "TextFormatter", "redact", "setup_logging"]
 
-_BEARER = re.compile(r"(?i)\b(bearer)(\s+|%20|=)[^\s\"',;]+")
+_BEARER = re.compile(r"(?i)\b(bearer)(\s+|%20|=|\\t)[^\s\"',;\\]+")
+_GRPC_CORE = "grpc._cython.cygrpc"
 
 # The attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(
@@ -93,6 +100,21 @@ def _redact_value(value: Any) -> Any:
     return value
 
 
+class GrpcMetadataNoise(logging.Filter):
+    """On grpcio's own logger: its "Invalid encoding on b'<value>'" records (a metadata
+    value or method name that is not UTF-8, logged whole with a traceback) become a
+    DEBUG line that leaves the value out (module docstring); others pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite such a record in place; keep it only where DEBUG is logged."""
+        if not (isinstance(record.msg, str) and record.msg.startswith("Invalid encoding")):
+            return True
+        record.msg = "grpc: a request's metadata or method is not UTF-8 (value not logged)"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 def _message(record: logging.LogRecord) -> str:
     """``record.getMessage()``, or a note if its arguments do not fit its format (the
     logging module would print a traceback to stderr and lose the line)."""
@@ -125,3 +147,6 @@ def setup_logging(level: str, *, json: bool = True, stream: TextIO | None = None
         old.close()
     root.addHandler(handler)
     root.setLevel(name)
+    grpc_core = logging.getLogger(_GRPC_CORE)
+    if not any(isinstance(f, GrpcMetadataNoise) for f in grpc_core.filters):
+        grpc_core.addFilter(GrpcMetadataNoise())

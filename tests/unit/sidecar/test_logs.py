@@ -56,6 +56,7 @@ def log_line(formatter: logging.Formatter, **kwargs: object) -> str:
         (f"authorization: bearer {TOKEN}, next", "authorization: bearer **********, next"),
         (f"('authorization', 'BEARER {TOKEN}')", "('authorization', 'BEARER **********')"),
         (f"header=Bearer%20{TOKEN}&x=1", "header=Bearer%20**********"),
+        (f"on b'Bearer\\t{TOKEN}\\xe9'", "on b'Bearer\\t**********\\xe9'"),  # a bytes repr
         ("a bearer of news", "a bearer ********** news"),
         ("no secrets here", "no secrets here"),
         ("Bearer", "Bearer"),
@@ -148,3 +149,34 @@ def test_setup_logging_text(root_logger: logging.Logger, monkeypatch: pytest.Mon
 def test_setup_logging_refuses_unknown_levels(root_logger: logging.Logger) -> None:
     with pytest.raises(ConfigError, match="log level 'loud' is not one of critical, error"):
         setup_logging("loud")
+
+
+def grpc_decode_error(value: bytes) -> None:
+    """What grpcio logs for a metadata value that is not UTF-8 (grpc_string.pyx.pxi)."""
+    try:
+        value.decode()
+    except UnicodeDecodeError:
+        logging.getLogger("grpc._cython.cygrpc").exception("Invalid encoding on %s", value)
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_grpc_logging_a_metadata_value_is_one_debug_line_without_it(
+    root_logger: logging.Logger, level: str
+) -> None:
+    """A client without a token can make grpcio log any metadata value (a token with
+    no scheme, in another header) at ERROR with a traceback."""
+    stream = io.StringIO()
+    setup_logging(level, stream=stream)
+    setup_logging(level, stream=stream)  # the filter is added once
+    grpc_decode_error(f"Basic {TOKEN}\xe9".encode("latin-1"))
+    logging.getLogger("grpc._cython.cygrpc").error("something else %s", "kept")
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert TOKEN not in stream.getvalue()
+    assert lines[-1] == {**lines[-1], "level": "ERROR", "msg": "something else kept"}
+    noise = lines[:-1]
+    if level == "info":
+        assert noise == []
+    else:
+        (line,) = noise
+        assert line["level"] == "DEBUG" and "exc" not in line
+        assert line["msg"] == "grpc: a request's metadata or method is not UTF-8 (value not logged)"
