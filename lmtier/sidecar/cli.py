@@ -6,12 +6,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import resource
 from typing import Any
 
 from lmtier.config import LMTierConfig
 
 __all__ = ["register"]
+
+
+def _raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit, as servers do:
+    every engine connection, lane socket and scrape holds a descriptor, and the usual
+    soft default (1024) runs out long before memory does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft == resource.RLIM_INFINITY or want <= soft:
+        return
+    with contextlib.suppress(ValueError, OSError):  # not allowed here: keep the soft one
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
@@ -29,6 +43,7 @@ def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
         root.removeHandler(handler)
     setup_logging(args.log_level, json=not args.plain_logs)
     keep_freed_memory()  # streamed chunks reuse freed buffers instead of faulting pages in
+    _raise_open_files_limit()
     return asyncio.run(serve(config, args.listen))
 
 

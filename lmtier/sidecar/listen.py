@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lmtier.sidecar.auth import Authenticator
 
 __all__ = [
+    "HANDSHAKE_TIMEOUT_MS",
     "ListenAddress",
     "check_policy",
     "default_listen",
@@ -42,6 +43,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "sidecar.sock"
+HANDSHAKE_TIMEOUT_MS = 10_000
+"""gRPC listeners (the sidecar's, the peer's) close a connection that has not completed
+its TLS and HTTP/2 handshakes by then: grpc's default, 120 s, let idle connections
+that need no token hold the sidecar's descriptors that long."""
 # sun_path holds 108 bytes on Linux (104 on macOS), the final NUL included.
 _MAX_SOCKET_PATH = 103 if sys.platform == "darwin" else 107
 _HOSTNAME = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")

@@ -10,8 +10,7 @@ nothing for metrics and a scrape always sees current values. Their power-of-two
 microsecond latency buckets become real Prometheus histograms (cumulative ``le``
 buckets in seconds, ``_sum``, ``_count``).
 
-Depends on prometheus_client >= 0.20 (``start_http_server`` returns the server and its
-thread, so that :meth:`MetricsServer.close` can stop both).
+The HTTP endpoint itself, bounded against hostile connections, is :mod:`.scrape`.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import fields
 from typing import Any
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -34,6 +32,7 @@ from prometheus_client.metrics_core import (
 
 from lmtier.errors import ConfigError
 from lmtier.sidecar.listen import parse_listen
+from lmtier.sidecar.scrape import MetricsServer, serve_metrics
 from lmtier.storage.stats import LatencyHistogram, TierStats
 
 __all__ = ["MetricsServer", "SidecarMetrics", "TierSource", "ExtraSource", "GaugeSource"]
@@ -163,32 +162,11 @@ class SidecarMetrics:
         if address.kind != "tcp":
             raise ConfigError(f"{key}: Prometheus scrapes over TCP; give host:port", key=key)
         try:
-            server, thread = start_http_server(address.port, address.host, self.registry)
+            return serve_metrics(address.host, address.port, self.registry)
         except OSError as exc:
             raise ConfigError(
                 f"{key}: cannot listen on {address}: {exc.strerror or exc}", key=key
             ) from None
-        return MetricsServer(server, thread)
-
-
-class MetricsServer:
-    """A running ``/metrics`` endpoint: its :attr:`port`, and :meth:`close`."""
-
-    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
-        self._server = server
-        self._thread = thread
-        self.port: int = server.server_port
-        """The bound port (the system's pick when asked for port 0)."""
-
-    def close(self) -> None:
-        """Stop serving, close the socket and join the server's thread. Idempotent."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join()
-        self._server.server_close()
-
-    def __repr__(self) -> str:
-        return f"MetricsServer(port={self.port})"
 
 
 class _SourceCollector:

@@ -33,7 +33,7 @@ from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError, InvalidRequestError
 from lmtier.sidecar.auth import Authenticator, server_credentials
-from lmtier.sidecar.listen import parse_listen
+from lmtier.sidecar.listen import HANDSHAKE_TIMEOUT_MS, parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.pieces import chunk_pieces
 from lmtier.sidecar.status import lenient, parsed, status_of
@@ -90,6 +90,7 @@ class PeerServer:
             options=[
                 ("grpc.max_send_message_length", side.max_message_bytes),
                 ("grpc.max_receive_message_length", 1024**2),
+                ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
             ]
         )
         handler = grpc.unary_stream_rpc_method_handler(

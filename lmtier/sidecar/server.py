@@ -32,6 +32,7 @@ from lmtier.config import LMTierConfig
 from lmtier.sidecar.auth import Authenticator, server_credentials
 from lmtier.sidecar.lane import LaneServer, lane_path
 from lmtier.sidecar.listen import (
+    HANDSHAKE_TIMEOUT_MS,
     ListenAddress,
     check_policy,
     default_listen,
@@ -174,6 +175,7 @@ class Sidecar:
             ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
         ]
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((method_handlers(service),))

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -478,6 +479,17 @@ def test_tls_and_a_token_over_a_remote_listener(remote: TcpSidecar, pem: tuple[P
         stub = pb_grpc.SidecarStub(plain)
         expect_code(Code.UNAVAILABLE, _calls(stub, b"")["OpenSession"], bearer(ADMIN))
     assert_unharmed(remote, metadata=bearer(ADMIN), credentials=credentials)
+
+
+def test_a_connection_that_never_handshakes_is_closed(remote: TcpSidecar) -> None:
+    """A TCP connection that never starts its TLS handshake holds one of the sidecar's
+    descriptors, and anyone can open thousands. grpc's default let each stay 120 s; the
+    sidecar's listeners close it after HANDSHAKE_TIMEOUT_MS (10 s)."""
+    assert remote.port is not None
+    with socket.create_connection(("127.0.0.1", remote.port)) as idle:
+        idle.settimeout(60)  # well under grpc's 120 s
+        assert idle.recv(4096) == b""  # closed by the server; it sends nothing before TLS
+    assert_unharmed(remote, metadata=bearer(ADMIN), credentials=remote.credentials)
 
 
 def test_lmtier_connect_over_tls_streams_bit_exact(
