@@ -173,6 +173,11 @@ class Sidecar:
             ("grpc.max_send_message_length", side.max_message_bytes),
             ("grpc.keepalive_time_ms", KEEPALIVE_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            # A keepalive that finds one of grpc's flow-control pings in flight (a
+            # client uploading: StoreStream) waits for that ping's answer, whose
+            # timeout defaults to 60 s: a client frozen mid-upload kept its session
+            # and connection that long.
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),

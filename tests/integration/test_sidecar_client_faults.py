@@ -13,6 +13,8 @@ the drain, each kept here as a regression test.
   with UNAVAILABLE (it raised AttributeError).
 * SIGTERM while a load is in flight lets it finish (it missed: the drain ended the
   sessions first) and the sidecar exits 0 without logging a traceback.
+* A client frozen in the middle of a StoreStream is noticed by the keepalive like any
+  other (it took 60 s: grpc's ping timeout, not the keepalive's 10 s, applied).
 
 Everything is a real process or a real socket; waits poll for a condition, except
 where the test is about time itself (a lease's age).
@@ -26,6 +28,9 @@ import re
 import signal
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -37,13 +42,15 @@ import pytest
 import torch
 from redis_servers import RedisServer
 from sidecar_client import MODEL, SPEC, connect, kv_of, prompt
-from sidecar_helpers import wait_for
+from sidecar_helpers import gauges as sidecar_gauges
+from sidecar_helpers import open_session, wait_for
 
 from lmtier import LMTier, load_config
 from lmtier.sidecar.connection import serving_problem
 from lmtier.sidecar.lane import LaneClient, LaneError, lane_path
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -428,3 +435,58 @@ def test_sigterm_lets_a_load_in_flight_finish_bit_exact(tmp_path: Path, transpor
         log = sidecar.log()
         assert "lmtier sidecar stopped" in log
         assert "Traceback" not in log, log[-3000:]
+
+
+# ---- a frozen client ----------------------------------------------------------------
+
+HALF_A_STORE = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    import grpc
+    from sidecar_helpers import chunk_for, open_session, pieces
+    from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.SidecarStub(grpc.insecure_channel(sys.argv[1]))
+    session = open_session(stub, shared_memory=False)
+    keys = [session.key() for _ in range(16)]
+    chunks = [(key, chunk_for(key, seed=i)) for i, key in enumerate(keys)]
+    messages = list(pieces(session.id, chunks, piece_bytes=1024))
+
+    def half():
+        yield from messages[: len(messages) // 2]
+        print("MID", flush=True)
+        time.sleep(3600)
+
+    stub.StoreStream(half(), metadata=session.metadata)
+    """
+)
+
+
+def test_a_client_frozen_mid_store_stream_loses_its_session_to_the_keepalive(
+    sidecar: SidecarProcess,
+) -> None:
+    """SIGSTOP: no FIN, no ping answered. The keepalive (a ping every 10 s, 10 s to
+    answer) ends its connection; while it was uploading, grpc's own flow-control pings
+    were in flight, and their 60 s timeout applied until the sidecar set it to 10 s."""
+    with grpc.insecure_channel(sidecar.target) as channel:
+        stub = pb_grpc.SidecarStub(channel)
+        with open_session(stub, shared_memory=False, client_name="monitor") as monitor:
+            here = str(Path(__file__).parent)
+            child = subprocess.Popen(
+                [sys.executable, "-c", HALF_A_STORE, sidecar.target, here],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert child.stdout is not None and child.stdout.readline() == "MID\n"
+                assert sidecar_gauges(stub, monitor)["sessions"] == 2
+                child.send_signal(signal.SIGSTOP)
+                wait_for(
+                    lambda: sidecar_gauges(stub, monitor)["sessions"] == 1,
+                    "the frozen client's session ending (keepalive: 20 s at most; was 60 s)",
+                    timeout_s=45,
+                )
+            finally:
+                child.kill()
+                child.communicate()  # reaps it and closes its stdout
