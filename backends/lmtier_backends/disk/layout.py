@@ -236,10 +236,7 @@ def restore_dirs(root: str, file_mode: int, ledger: Ledger) -> bool:
     docstring); whether it was. Blocking; OSError if it cannot be recreated."""
     if os.path.exists(ledger.path) and all(os.path.isdir(p) for p in _chunk_dirs(root)):
         return False
-    make_chunk_dirs(root, dir_mode(file_mode))
-    scan = scan_chunk_dir(root)
-    ledger.open(file_mode)
-    ledger.reset(scan.total)
+    prepare(root, file_mode, ledger)  # the ledger's new file replaces the removed one
     logger.warning("disk directory %s was removed while open; recreated it", root)
     return True
 
