@@ -59,6 +59,13 @@ def connect(target: str, *, stream: bool, timeout_s: float = 10.0, **options: An
     )
 
 
+def gauges(cache: LMTier) -> dict[str, float]:
+    """The sidecar's own gauges, as a client sees them (sessions, leases, slabs_total,
+    leases_expired, ...)."""
+    found = cache.stats().get("sidecar", {})
+    return {k: float(v) for k, v in found.items()}  # type: ignore[arg-type]
+
+
 def say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 

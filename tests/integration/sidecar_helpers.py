@@ -12,6 +12,8 @@ import datetime
 import ipaddress
 import re
 import secrets
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,6 +34,7 @@ from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 
 __all__ = [
     "CALL_TIMEOUT_S",
+    "LANE_HEADER",
     "NAMESPACE",
     "Metadata",
     "Session",
@@ -47,6 +50,7 @@ __all__ = [
     "namespace",
     "open_session",
     "pieces",
+    "read_exactly",
     "store_stream",
     "wait_for",
     "write_slab",
@@ -59,6 +63,8 @@ CALL_TIMEOUT_S = 30.0
 """Deadline of every call: generous, only there so that a hung sidecar fails a test
 instead of hanging it."""
 POLL_TIMEOUT_S = 30.0
+LANE_HEADER = struct.Struct("<IB")
+"""A lane frame's header: ``<u32 length><u8 method or status>`` (lmtier.sidecar.lane)."""
 
 NAMESPACE = pb.Namespace(
     model_id="hostile/model",
@@ -366,3 +372,14 @@ def make_self_signed(folder: Path) -> tuple[Path, Path]:
     )
     key_path.chmod(0o600)
     return cert_path, key_path
+
+
+def read_exactly(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from ``sock``; ConnectionResetError if the peer closes first."""
+    data = b""
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            raise ConnectionResetError("the peer closed")
+        data += more
+    return data

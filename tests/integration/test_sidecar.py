@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from sidecar_client import connect, digest, kv_of, prompt
+from sidecar_client import connect, digest, gauges, kv_of, prompt
 
 import lmtier.sidecar.client as client_module
 from lmtier import LMTier
@@ -94,11 +94,6 @@ def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(MessageSlab, "message", counting)
     yield state
     assert any(state.sent) == request.param  # the path asked for was the one taken
-
-
-def gauges(cache: LMTier) -> dict[str, float]:
-    found = cache.stats().get("sidecar", {})
-    return {k: float(v) for k, v in found.items()}  # type: ignore[arg-type]
 
 
 def test_two_client_processes_share_cpu_hits_bit_exact(

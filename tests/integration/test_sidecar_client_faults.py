@@ -27,7 +27,6 @@ import os
 import re
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -41,9 +40,9 @@ import grpc
 import pytest
 import torch
 from redis_servers import RedisServer
-from sidecar_client import MODEL, SPEC, connect, kv_of, prompt
+from sidecar_client import MODEL, SPEC, connect, gauges, kv_of, prompt
+from sidecar_helpers import LANE_HEADER, open_session, read_exactly, wait_for
 from sidecar_helpers import gauges as sidecar_gauges
-from sidecar_helpers import open_session, wait_for
 
 from lmtier import LMTier, load_config
 from lmtier.sidecar.connection import serving_problem
@@ -61,12 +60,6 @@ SETTINGS: dict[str, Any] = {
 """A small pool (22 slabs of 520 KiB): a few stores reuse every free slab."""
 CHUNK = 256
 N = 4 * CHUNK
-
-
-def gauges(cache: LMTier) -> dict[str, float]:
-    """The sidecar's own gauges (sessions, leases, leases_expired, slabs_total, ...)."""
-    found = cache.stats().get("sidecar", {})
-    return {k: float(v) for k, v in found.items()}  # type: ignore[arg-type]
 
 
 def same(got: torch.Tensor | None, want: torch.Tensor) -> bool:
@@ -250,20 +243,6 @@ def test_lane_sockets_of_threads_that_ended_are_closed(sidecar: SidecarProcess) 
         assert after - before <= 3, f"{after - before} more unix sockets after 30 threads"
 
 
-HEADER = struct.Struct("<IB")
-"""A lane frame's header: ``<u32 length><u8 method or status>`` (lmtier.sidecar.lane)."""
-
-
-def read_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        got = sock.recv(size - len(data))
-        if not got:
-            raise ConnectionResetError("the peer closed")
-        data += got
-    return data
-
-
 class SilentLane:
     """A unix socket that speaks the lane's framing: it answers a connection's hello,
     reads the next request (``received`` is set) and never answers it."""
@@ -287,11 +266,11 @@ class SilentLane:
         with conn:
             conn.settimeout(60)
             try:
-                length, method = HEADER.unpack(read_exactly(conn, HEADER.size))
+                length, method = LANE_HEADER.unpack(read_exactly(conn, LANE_HEADER.size))
                 read_exactly(conn, length)
                 assert method == 0  # the hello
-                conn.sendall(HEADER.pack(0, 0))  # OK
-                length, _ = HEADER.unpack(read_exactly(conn, HEADER.size))
+                conn.sendall(LANE_HEADER.pack(0, 0))  # OK
+                length, _ = LANE_HEADER.unpack(read_exactly(conn, LANE_HEADER.size))
                 read_exactly(conn, length)
                 self.received.set()
             except OSError:

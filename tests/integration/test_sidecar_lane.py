@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +15,12 @@ import grpc
 import pytest
 from sidecar_client import connect, kv_of, prompt
 from sidecar_helpers import (
+    LANE_HEADER,
     Session,
     assert_unharmed,
     bearer,
     open_session,
+    read_exactly,
 )
 
 from lmtier.sidecar.client import SidecarClient
@@ -29,7 +30,6 @@ from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
-HEADER = struct.Struct("<IB")
 TOKEN = "lane-test-token-0123456789"
 SETTINGS = {
     "cpu": {"capacity_bytes": "16MiB", "staging_bytes": "8MiB"},
@@ -51,11 +51,11 @@ class Lane:
         self.sock.connect(path)
 
     def send(self, method: int, payload: bytes) -> None:
-        self.sock.sendall(HEADER.pack(len(payload), method) + payload)
+        self.sock.sendall(LANE_HEADER.pack(len(payload), method) + payload)
 
     def receive(self) -> tuple[grpc.StatusCode, bytes]:
-        header = self._read(HEADER.size)
-        length, code = HEADER.unpack(header)
+        header = self._read(LANE_HEADER.size)
+        length, code = LANE_HEADER.unpack(header)
         codes = {c.value[0]: c for c in grpc.StatusCode}
         return codes[code], self._read(length)
 
@@ -67,13 +67,7 @@ class Lane:
         return self.sock.recv(1) == b""
 
     def _read(self, size: int) -> bytes:
-        out = b""
-        while len(out) < size:
-            more = self.sock.recv(size - len(out))
-            if not more:
-                raise ConnectionResetError("closed")
-            out += more
-        return out
+        return read_exactly(self.sock, size)
 
     def close(self) -> None:
         self.sock.close()
@@ -178,7 +172,7 @@ def test_an_oversized_frame_is_refused_and_the_sidecar_unharmed(
     sidecar: SidecarProcess, session: Session, lane: Lane
 ) -> None:
     hello(lane)
-    lane.sock.sendall(HEADER.pack(64 * 1024**2, 1))  # announces 64 MiB, sends none
+    lane.sock.sendall(LANE_HEADER.pack(64 * 1024**2, 1))  # announces 64 MiB, sends none
     assert lane.receive()[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert lane.closed_by_peer()
     assert_unharmed(sidecar, metadata=bearer(TOKEN))
@@ -187,7 +181,7 @@ def test_an_oversized_frame_is_refused_and_the_sidecar_unharmed(
 def test_a_frame_cut_short_costs_nothing(sidecar: SidecarProcess, session: Session) -> None:
     lane = Lane(session.info.lane)
     hello(lane)
-    lane.sock.sendall(HEADER.pack(1000, 1) + b"\x0a\x10")  # 2 of 1000 bytes, then gone
+    lane.sock.sendall(LANE_HEADER.pack(1000, 1) + b"\x0a\x10")  # 2 of 1000 bytes, then gone
     lane.close()
     assert_unharmed(sidecar, metadata=bearer(TOKEN))
 
@@ -225,7 +219,7 @@ def test_a_drain_closes_open_lane_connections_cleanly(tmp_path: Path) -> None:
                     code, _ = idle.call(1, request.SerializeToString())
                     assert code == grpc.StatusCode.OK
                     hello(partial)
-                    partial.sock.sendall(HEADER.pack(100, 1) + b"half")  # never finished
+                    partial.sock.sendall(LANE_HEADER.pack(100, 1) + b"half")  # never finished
                     process.signal(signal.SIGTERM)
                     assert process.wait() == 0
                     assert idle.closed_by_peer() and partial.closed_by_peer()
