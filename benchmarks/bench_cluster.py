@@ -62,9 +62,10 @@ from bench_redis import get_copies, start_server
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig, RedisTierConfig
 from lmtier.config.secrets import Secret
-from lmtier.sidecar.auth import Authenticator, Principal
+from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
+from lmtier.sidecar.peer_auth import NodeKey
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool
@@ -75,7 +76,8 @@ from lmtier_backends.peer.fetch import KEEPALIVE_MS, MAX_MESSAGE_BYTES
 from lmtier_backends.peer.tier import PeerTier
 from lmtier_backends.redis.tier import RedisTier
 
-TOKEN = "bench-cluster-node-token-0123456789"
+TOKEN = "bench-cluster-node-secret-0123456789"
+NODE_KEY = NodeKey(Secret(TOKEN))
 CHUNK_TOKENS = 256
 HIDDEN = 1024  # 2 (K, V) x 256 tokens x 1024 floats x 4 bytes = 2 MiB payload
 SLAB = 2 * 1024**2 + 64 * 1024  # a chunk's buffer: its payload and header, with room
@@ -122,13 +124,10 @@ async def serve_node_a(url: str, chunks: list[tuple[ChunkKey, bytes]], conn: Con
     lock = threading.RLock()
     with lock:
         assert await memory.put(chunks) == len(chunks)
-    config = LMTierConfig(
-        peer={"enabled": True, "listen": "127.0.0.1:0"}, sidecar={"auth_token": TOKEN}
-    )
-    auth = Authenticator([(Secret(TOKEN), Principal("bench-node"))])
-    peer = PeerServer(config, auth, SidecarMetrics(), memory, lock, sealer=Sealer())
+    config = LMTierConfig(peer={"enabled": True, "listen": "127.0.0.1:0", "token": TOKEN})
+    peer = PeerServer(config, Authenticator(), SidecarMetrics(), memory, lock, sealer=Sealer())
     node = await peer.start()
-    tier = PeerTier(url, token=Secret(TOKEN), publish_interval_s=0.05)
+    tier = PeerTier(url, key=NODE_KEY, publish_interval_s=0.05)
     await tier.attach_node(node)
 
     async def download(request: bytes, context: Any) -> AsyncIterator[bytes]:
@@ -233,7 +232,7 @@ async def bench_fetch(
     nbytes = sum(sizes)
     count = len(keys)
     buffers = [memoryview(bytearray(SLAB)) for _ in keys]
-    peer = PeerTier(url, token=Secret(TOKEN))
+    peer = PeerTier(url, key=NODE_KEY)
     redis_tier = await RedisTier.open(url, timeout_s=10.0)
     client = aredis.Redis.from_url(url, max_connections=REDIS_CONCURRENCY, protocol=2)
     channel = grpc.aio.insecure_channel(node.raw_address, options=CLIENT_OPTIONS)
@@ -312,7 +311,7 @@ def directory_lookup_us(
     loop: asyncio.AbstractEventLoop, url: str, keys: Sequence[ChunkKey], repeats: int
 ) -> float:
     """``PeerTier.contains`` of ``keys`` held by node A: the directory's one script call."""
-    peer = PeerTier(url, token=Secret(TOKEN))
+    peer = PeerTier(url, key=NODE_KEY)
     try:
         held = median_s(lambda: loop.run_until_complete(peer.contains(keys)), repeats)
     finally:
@@ -327,7 +326,7 @@ async def open_manager(url: str, with_peer: bool) -> StorageManager:
     memory = CPUTier(HostPool(64 * 1024, 4, pin=False))  # empty: every lookup walks on
     tiers: list[Tier] = [await RedisTier.open(url)]
     if with_peer:
-        tiers.insert(0, PeerTier(url, token=Secret(TOKEN)))  # after disk, before Redis
+        tiers.insert(0, PeerTier(url, key=NODE_KEY))  # after disk, before Redis
     manager = StorageManager(memory, tiers)
     await manager.start()
     return manager

@@ -10,9 +10,13 @@ See :mod:`lmtier_backends.peer` and docs/cluster.md.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import ipaddress
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
-from pydantic import model_validator
+from pydantic import AfterValidator, BeforeValidator, Strict, model_validator
 
 from lmtier.config.section import Section
 from lmtier.config.types import (
@@ -25,19 +29,121 @@ from lmtier.config.types import (
     Size,
     Text,
 )
+from lmtier.errors import ConfigError, brief
 
-__all__ = ["PeerConfig"]
+__all__ = ["AddressPolicy", "PeerConfig", "split_address"]
 
 _SCHEMES = ("redis", "rediss", "unix")
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_MAX_HOST = 253
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a peer address ``host:port`` (``[v6]:port`` for IPv6), or
+    ValueError: a host name of DNS labels or an IP literal, a port of 1-65535, and
+    nothing else (no scheme such as ``unix:`` or ``dns:``, no list, no path)."""
+    if not isinstance(address, str) or len(address) > _MAX_HOST + 8:
+        raise ValueError("not a host:port address")
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{brief(address)} is not host:port with a port of 1-65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"{brief(address)}: {brief(host)} is no IPv6 address") from None
+        return host[1:-1], int(port_text)
+    if not _is_host(host):
+        raise ValueError(f"{brief(address)}: {brief(host)} is no host name or IPv4 address")
+    return host, int(port_text)
+
+
+def _is_host(host: str) -> bool:
+    if not host or len(host) > _MAX_HOST:
+        return False
+    try:
+        ipaddress.IPv4Address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    return all(_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit()
+
+
+@dataclass(frozen=True, slots=True)
+class AddressPolicy:
+    """Which peer addresses may be dialled (``peer.allowed_peers``): IP literals by
+    network, host names by name or by domain (``*.example``). A host name never
+    matches a network: it is not resolved here, since what it resolves to is the
+    resolver's business, and a name the operator listed is trusted by name."""
+
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    names: frozenset[str] = frozenset()
+    domains: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, entries: Sequence[str]) -> AddressPolicy:
+        """The policy of ``entries``; ValueError naming a bad one."""
+        networks, names, domains = [], set(), []
+        for raw in entries:
+            entry = raw.strip()
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+                continue
+            except ValueError:
+                pass
+            if entry.startswith("*.") and _is_host(entry[2:]):
+                domains.append("." + entry[2:].lower().removesuffix("."))
+            elif _is_host(entry):
+                names.add(entry.lower().removesuffix("."))
+            else:
+                raise ValueError(f"{brief(raw)} is no network (10.0.0.0/8), host name or *.domain")
+        return cls(tuple(networks), frozenset(names), tuple(domains))
+
+    def allows(self, address: str) -> bool:
+        """Whether ``address`` (``host:port``) is well formed and allowed."""
+        try:
+            host, _ = split_address(address)
+        except ValueError:
+            return False
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            name = host.lower().removesuffix(".")
+            return name in self.names or any(name.endswith(d) for d in self.domains)
+        return any(ip in network for network in self.networks)
+
+
+def _entries(value: Any) -> Any:
+    """A comma-separated string (an environment variable) as a list of entries."""
+    if isinstance(value, str):
+        return [part for part in (p.strip() for p in value.split(",")) if part]
+    return value
+
+
+def _checked_entries(value: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        AddressPolicy.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"peer.allowed_peers: {exc}", key="peer.allowed_peers") from None
+    return value
+
+
+PeerAddresses = Annotated[
+    tuple[Annotated[str, Strict()], ...],
+    BeforeValidator(_entries),
+    AfterValidator(_checked_entries),
+]
 
 
 class PeerConfig(Section):
     """Peer-to-peer sharing of CPU tiers between the nodes of a cluster (module docstring).
 
-    Empty ``directory_url``, ``key_prefix`` and token fall back on the ``redis``
-    section's URL and prefix and the ``sidecar`` section's token, which is what a
-    cluster whose nodes share one Redis and one node token wants
-    (:func:`lmtier.storage.plugins.enabled_sections` fills them in).
+    Empty ``directory_url`` and ``key_prefix`` fall back on the ``redis`` section's
+    URL and prefix, and empty ``tls_cert_file``/``tls_key_file`` on the ``sidecar``
+    section's (:func:`lmtier.storage.plugins.peer_section` fills them in). The node
+    secret has no fallback: it must not be a token the sidecar accepts, since every
+    node of the cluster holds it.
     """
 
     SECTION: ClassVar[str] = "peer"
@@ -57,14 +163,34 @@ class PeerConfig(Section):
     key_prefix: Text | None = None
     """Prefix of the directory's Redis keys (None: ``redis.key_prefix``)."""
     token: SecretText | None = None
-    """The bearer token presented to other nodes' peer listeners, which must accept it
-    as a node token (one covering every namespace). None: the sidecar's ``auth_token``
-    or ``auth_token_file``."""
+    """The cluster's node secret: every node of the cluster has the same one, and no
+    sidecar token may equal it. It is never sent: a node proves it holds it with an
+    HMAC over a nonce, the address it dials and the request (:mod:`lmtier.sidecar.peer_auth`),
+    and takes nothing from a peer that cannot prove the same."""
     token_file: PathValue | None = None
-    """A file whose first line is that token."""
+    """A file whose first line is the node secret."""
+    allowed_peers: PeerAddresses = ("127.0.0.0/8", "::1/128", "localhost")
+    """The peer addresses this node may dial: networks (``10.0.0.0/8``, ``::1/128``) for
+    addresses the directory names by IP, host names (``sidecar-a``, or ``*.lmtier.svc``
+    for a domain's names) for the others. An address the directory names outside them
+    is never dialled (whoever can write the shared Redis could name any). In YAML a
+    list; in ``LMTIER_PEER__ALLOWED_PEERS`` entries separated by commas."""
+    proof_window_s: PositiveFloat = 120.0
+    """How far a peer call's time stamp may be from this node's clock (its proof is
+    refused beyond): the nodes' clocks must agree to within it."""
+    tls_cert_file: PathValue | None = None
+    """PEM certificate of this node's peer listener, also presented as the client
+    certificate when it dials peers (None: ``sidecar.tls_cert_file``)."""
+    tls_key_file: PathValue | None = None
+    """Its private key (None: ``sidecar.tls_key_file``)."""
     tls_ca_file: PathValue | None = None
-    """PEM CA bundle that signed the other nodes' certificates: peers are dialled with
-    TLS (their sidecars set ``tls_cert_file``). None: plaintext."""
+    """PEM CA bundle that signed the nodes' certificates: peers are dialled with TLS and
+    must present a certificate it signed, and the listener requires one of callers
+    (mutual TLS). None: plaintext (the proofs still keep the node secret to itself)."""
+    tls_server_name: Text = ""
+    """The name checked in a peer's certificate. Empty: the host of the address dialled.
+    A cluster whose nodes share one certificate names it here (``lmtier cluster``'s
+    is ``lmtier-peer``)."""
     ttl_s: PositiveFloat = 15.0
     """Seconds a node stays in the directory without a heartbeat (sent every third of
     it): a node that died is forgotten within this."""
@@ -89,18 +215,25 @@ class PeerConfig(Section):
             raise ValueError(f"directory_url: scheme must be one of {', '.join(_SCHEMES)}")
         if self.publish_interval_s * 2 > self.ttl_s:
             raise ValueError("publish_interval_s must be at most half of ttl_s")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both tls_cert_file and tls_key_file, or neither")
         return self
 
     def resolved(
-        self, redis_url: Any, redis_prefix: str, token: Any, token_file: Any
+        self, redis_url: Any, redis_prefix: str, tls_cert_file: Any, tls_key_file: Any
     ) -> PeerConfig:
-        """This section with its empty directory and token filled from the ``redis``
-        and ``sidecar`` sections' values (class docstring)."""
+        """This section with its empty directory, prefix and certificate filled from the
+        ``redis`` and ``sidecar`` sections' values (class docstring)."""
         changes: dict[str, Any] = {}
         if self.directory_url is None:
             changes["directory_url"] = redis_url
         if self.key_prefix is None:
             changes["key_prefix"] = redis_prefix
-        if self.token is None and self.token_file is None:
-            changes["token"], changes["token_file"] = token, token_file
+        if self.tls_cert_file is None and self.tls_key_file is None:
+            changes["tls_cert_file"], changes["tls_key_file"] = tls_cert_file, tls_key_file
         return self.replace(**changes) if changes else self
+
+    @property
+    def policy(self) -> AddressPolicy:
+        """``allowed_peers`` as a policy that checks addresses."""
+        return AddressPolicy.parse(self.allowed_peers)

@@ -35,6 +35,7 @@ __all__ = [
     "Principal",
     "channel_credentials",
     "server_credentials",
+    "tls_server_credentials",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,12 @@ class Authenticator:
             raise AuthenticationError("the bearer token is not one this sidecar accepts")
         return found.principal
 
+    def accepts(self, secret: Secret) -> bool:
+        """Whether ``secret`` is one of this sidecar's tokens (the node secret must not
+        be: every node of a cluster holds it)."""
+        digest = _digest(secret.reveal())
+        return any([hmac.compare_digest(token.digest, digest) for token in self._tokens])
+
     def __repr__(self) -> str:
         names = ", ".join(token.principal.name for token in self._tokens)
         return f"Authenticator(tokens=[{names}])"
@@ -260,12 +267,24 @@ def server_credentials(sidecar: SidecarConfig) -> grpc.ServerCredentials | None:
     """
     if sidecar.tls_cert_file is None or sidecar.tls_key_file is None:
         return None
-    cert = _read_pem(sidecar.tls_cert_file, "sidecar.tls_cert_file")
-    warn_if_shared(sidecar.tls_key_file, "sidecar.tls_key_file")
-    key = _read_pem(sidecar.tls_key_file, "sidecar.tls_key_file")
+    return tls_server_credentials(
+        sidecar.tls_cert_file, sidecar.tls_key_file, sidecar.tls_client_ca_file, "sidecar"
+    )
+
+
+def tls_server_credentials(
+    cert_file: Path, key_file: Path, client_ca_file: Path | None, section: str
+) -> grpc.ServerCredentials:
+    """A listener's TLS credentials: its certificate and key, and with
+    ``client_ca_file`` a certificate that CA signed required of every caller. Errors
+    name ``<section>.tls_*``."""
+    cert = _read_pem(cert_file, f"{section}.tls_cert_file")
+    warn_if_shared(key_file, f"{section}.tls_key_file")
+    key = _read_pem(key_file, f"{section}.tls_key_file")
     client_ca = None
-    if sidecar.tls_client_ca_file is not None:
-        client_ca = _read_pem(sidecar.tls_client_ca_file, "sidecar.tls_client_ca_file")
+    if client_ca_file is not None:
+        what = "tls_client_ca_file" if section == "sidecar" else "tls_ca_file"
+        client_ca = _read_pem(client_ca_file, f"{section}.{what}")
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )

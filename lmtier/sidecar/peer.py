@@ -12,9 +12,13 @@ carries only ``Peer``, so a node token cannot open sessions through it.
   down (:mod:`lmtier.storage.sealing`), and the asker verifies what it receives: a
   fetch seals it first, with the StorageManager's sealer (its MAC key; a write down
   in flight shares the hash), so a node without lower tiers serves its peers too.
-* **Node tokens only.** A token is always required (a listener without one is a
-  ConfigError) and must be unscoped: a token limited to some models or salts could
-  otherwise read every tenant's chunks by key, so it gets PERMISSION_DENIED.
+* **The node secret, proven, never sent.** Every call must carry a proof of the
+  cluster's node secret made for this node's advertised address
+  (:mod:`.peer_auth`), answered in the initial metadata before any byte of the reply;
+  bearer tokens are refused. The node secret may not be a sidecar token (a
+  ConfigError at start): every node holds it, and a sidecar token opens sessions.
+* **Mutual TLS** with ``peer.tls_ca_file``: callers must present a certificate that
+  CA signed.
 * **Bounded.** At most :data:`MAX_FETCH_KEYS` keys per call; pieces of at most
   ``sidecar.stream_piece_bytes``, as ``LoadStream`` cuts them (:mod:`.pieces`).
 """
@@ -32,21 +36,25 @@ import grpc
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError, InvalidRequestError
-from lmtier.sidecar.auth import Authenticator, server_credentials
+from lmtier.sidecar.auth import Authenticator, tls_server_credentials
 from lmtier.sidecar.listen import HANDSHAKE_TIMEOUT_MS, parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
+from lmtier.sidecar.peer_auth import ProofChecker, node_key
 from lmtier.sidecar.pieces import chunk_pieces
 from lmtier.sidecar.status import lenient, parsed, status_of
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.node import LocalNode
+from lmtier.storage.plugins import peer_section
 from lmtier.storage.sealing import Sealer
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["MAX_FETCH_KEYS", "PEER_SERVICE", "PeerServer"]
+__all__ = ["CONTAINS_METHOD", "FETCH_METHOD", "MAX_FETCH_KEYS", "PEER_SERVICE", "PeerServer"]
 
 logger = logging.getLogger(__name__)
 
 PEER_SERVICE = "lmtier.v1.Peer"
+FETCH_METHOD = f"/{PEER_SERVICE}/Fetch"
+CONTAINS_METHOD = f"/{PEER_SERVICE}/Contains"
 MAX_FETCH_KEYS = 4096
 _WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104 - names of "every interface", not a bind
 
@@ -64,28 +72,29 @@ class PeerServer:
         *,
         sealer: Sealer,
     ) -> None:
-        peer = config.peer
         self.config = config
+        self.peer = peer = peer_section(config, directory=False)
         self.address = parse_listen(peer.listen, key="peer.listen")
         if self.address.kind != "tcp":
             raise ConfigError("peer.listen must be host:port (other machines dial it)")
-        if not auth.required:
+        self.key = node_key(peer)
+        if auth.accepts(self.key.secret):
             raise ConfigError(
-                "peer.listen needs a sidecar token (sidecar.auth_token_file or "
-                "tokens_file): other nodes fetch with it",
-                key="peer.listen",
+                "the peer tier's node secret is also a sidecar token: give peer.token_file "
+                "a secret of its own (every node holds it; a sidecar token opens sessions)",
+                key="peer.token",
             )
-        self.auth = auth
         self.metrics = metrics
         self.memory, self.lock, self.sealer = memory, lock, sealer
         self._piece = config.sidecar.stream_piece_bytes
         self._server: grpc.aio.Server | None = None
+        self.checker: ProofChecker | None = None
         self.node: LocalNode | None = None
 
     async def start(self) -> LocalNode:
         """Bind and serve; the node as other nodes reach it (``peer.advertise``, else
         the bound address)."""
-        side = self.config.sidecar
+        side, peer = self.config.sidecar, self.peer
         server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", side.max_message_bytes),
@@ -93,26 +102,34 @@ class PeerServer:
                 ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
             ]
         )
-        handler = grpc.unary_stream_rpc_method_handler(
-            self.Fetch,
-            request_deserializer=lenient(pb.PeerFetchRequest),
-            response_serializer=None,
-        )
+        methods = {
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                self.Fetch,
+                request_deserializer=lenient(pb.PeerFetchRequest),
+                response_serializer=None,
+            ),
+            "Contains": grpc.unary_unary_rpc_method_handler(
+                self.Contains,
+                request_deserializer=lenient(pb.PeerFetchRequest),
+                response_serializer=pb.PeerContainsReply.SerializeToString,
+            ),
+        }
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(PEER_SERVICE, {"Fetch": handler}),)
+            (grpc.method_handlers_generic_handler(PEER_SERVICE, methods),)
         )
-        credentials = server_credentials(side)
+        credentials = None
+        if peer.tls_cert_file is not None and peer.tls_key_file is not None:
+            credentials = tls_server_credentials(
+                peer.tls_cert_file, peer.tls_key_file, peer.tls_ca_file, "peer"
+            )
         target = self.address.grpc_target
         if credentials is None:
             port = server.add_insecure_port(target)
         else:
             port = server.add_secure_port(target, credentials)
-        await server.start()
-        self._server = server
-        advertise = self.config.peer.advertise
+        advertise = peer.advertise
         if not advertise:
             if self.address.host in _WILDCARDS:
-                await server.stop(None)
                 raise ConfigError(
                     f"peer.listen {target} binds every interface: set peer.advertise to "
                     "the host:port other nodes dial",
@@ -120,12 +137,21 @@ class PeerServer:
                 )
             host = self.address.grpc_target.rsplit(":", 1)[0]
             advertise = f"{host}:{port}"
+        if not peer.policy.allows(advertise):
+            raise ConfigError(
+                f"this node is advertised as {advertise}, which peer.allowed_peers does not "
+                "allow: nodes configured alike would never dial it (add its network or name)",
+                key="peer.allowed_peers",
+            )
+        await server.start()
+        self._server = server
         if not self.address.loopback and credentials is None:
             logger.warning(
-                "the peer listener %s has no TLS: tokens and KV travel in clear text; "
-                "set sidecar.tls_cert_file and sidecar.tls_key_file (and peer.tls_ca_file)",
+                "the peer listener %s has no TLS: KV travels in clear text; set "
+                "peer.tls_cert_file, peer.tls_key_file and peer.tls_ca_file",
                 target,
             )
+        self.checker = ProofChecker(self.key, advertise, window_s=peer.proof_window_s)
         self.node = LocalNode(self.memory, self.lock, advertise)
         logger.info("peer listener on %s (advertised as %s)", target, advertise)
         return self.node
@@ -142,14 +168,9 @@ class PeerServer:
         """Stream the cached chunks of ``request.keys`` (module docstring)."""
         started, code = time.perf_counter(), grpc.StatusCode.OK
         try:
-            principal = self.auth.authenticate(context.invocation_metadata())
-            request = parsed(request)
-            if not principal.reaches_all:
-                raise PermissionError(
-                    f"{principal.name} is scoped to some models or salts: peers fetch "
-                    "with a node token that covers every namespace"
-                )
-            for key in _keys(request.keys):
+            keys, answer = self._checked(request, context, FETCH_METHOD)
+            await context.send_initial_metadata(answer)
+            for key in keys:
                 with self.lock:
                     shared = self.memory.share(key)
                 if shared is None:
@@ -167,6 +188,36 @@ class PeerServer:
             await context.abort(code, text)
         finally:
             self.metrics.observe_call("PeerFetch", time.perf_counter() - started, code.name)
+
+    async def Contains(  # noqa: N802 - gRPC's method name
+        self, request: pb.PeerFetchRequest, context: Any
+    ) -> pb.PeerContainsReply:
+        """How many leading keys of ``request.keys`` this node's CPU tier holds."""
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            keys, answer = self._checked(request, context, CONTAINS_METHOD)
+            await context.send_initial_metadata(answer)
+            with self.lock:
+                leading = self.memory.count_prefix(keys)
+            return pb.PeerContainsReply(leading=leading)
+        except Exception as exc:
+            code, text = status_of(exc, "PeerContains")
+            await context.abort(code, text)
+            raise  # abort raises; this keeps mypy's view of the return honest
+        finally:
+            self.metrics.observe_call("PeerContains", time.perf_counter() - started, code.name)
+
+    def _checked(
+        self, request: pb.PeerFetchRequest, context: Any, method: str
+    ) -> tuple[list[ChunkKey], tuple[tuple[str, str], ...]]:
+        """The keys of a call whose proof checks out, and the answer to send first;
+        AuthenticationError or InvalidRequestError otherwise."""
+        checker = self.checker
+        if checker is None:
+            raise ConnectionError("the peer listener is not started")
+        request = parsed(request)
+        answer = checker.check(context.invocation_metadata(), method, request.keys)
+        return _keys(request.keys), answer
 
 
 def _keys(data: bytes) -> list[ChunkKey]:

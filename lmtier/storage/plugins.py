@@ -28,7 +28,7 @@ from lmtier.errors import BackendError, ConfigError
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Tier
 
-__all__ = ["backend_factory", "enabled_sections", "open_tiers"]
+__all__ = ["backend_factory", "enabled_sections", "open_tiers", "peer_section"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def enabled_sections(config: LMTierConfig) -> list[tuple[str, Any]]:
     if config.disk.enabled:
         sections.append(("disk", config.disk))
     if config.peer.enabled:
-        sections.append(("peer", _peer_section(config)))
+        sections.append(("peer", peer_section(config)))
     if config.redis.url is not None:
         sections.append(("redis", config.redis))
     if config.s3.bucket is not None:
@@ -96,14 +96,16 @@ async def open_tiers(config: LMTierConfig) -> list[Tier]:
     return tiers
 
 
-def _peer_section(config: LMTierConfig) -> PeerConfig:
-    """The ``peer`` section with its directory and token filled from the ``redis`` and
-    ``sidecar`` sections where it leaves them empty; ConfigError without a directory."""
+def peer_section(config: LMTierConfig, *, directory: bool = True) -> PeerConfig:
+    """The ``peer`` section with its directory and certificate filled from the ``redis``
+    and ``sidecar`` sections where it leaves them empty. The peer listener and the
+    peer tier both read it; the tier needs a directory (``directory``: ConfigError
+    without one)."""
     side = config.sidecar
     peer = config.peer.resolved(
-        config.redis.url, config.redis.key_prefix, side.auth_token, side.auth_token_file
+        config.redis.url, config.redis.key_prefix, side.tls_cert_file, side.tls_key_file
     )
-    if peer.directory_url is None:
+    if directory and peer.directory_url is None:
         raise ConfigError(
             "peer.enabled needs a directory: set peer.directory_url or redis.url", key="peer"
         )

@@ -336,6 +336,12 @@ class PinReply(_message.Message):
     pinned: _containers.ScalarMap[str, int]
     def __init__(self, pinned: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
+class PeerContainsReply(_message.Message):
+    __slots__ = ("leading",)
+    LEADING_FIELD_NUMBER: _ClassVar[int]
+    leading: int
+    def __init__(self, leading: _Optional[int] = ...) -> None: ...
+
 class PeerFetchRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

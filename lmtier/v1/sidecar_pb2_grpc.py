@@ -607,6 +607,11 @@ class PeerStub:
                 request_serializer=lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.SerializeToString,
                 response_deserializer=lmtier_dot_v1_dot_sidecar__pb2.ChunkPiece.FromString,
                 _registered_method=True)
+        self.Contains = channel.unary_unary(
+                '/lmtier.v1.Peer/Contains',
+                request_serializer=lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.SerializeToString,
+                response_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PeerContainsReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -622,6 +627,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Contains(self, request, context):
+        """How many of `keys`, from the first, this node's CPU tier holds now: what a lookup
+        counts, so that it names only chunks a fetch would serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -629,6 +642,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.FromString,
                     response_serializer=lmtier_dot_v1_dot_sidecar__pb2.ChunkPiece.SerializeToString,
+            ),
+            'Contains': grpc.unary_unary_rpc_method_handler(
+                    servicer.Contains,
+                    request_deserializer=lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.FromString,
+                    response_serializer=lmtier_dot_v1_dot_sidecar__pb2.PeerContainsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -659,6 +677,33 @@ class Peer:
             '/lmtier.v1.Peer/Fetch',
             lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.SerializeToString,
             lmtier_dot_v1_dot_sidecar__pb2.ChunkPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Contains(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmtier.v1.Peer/Contains',
+            lmtier_dot_v1_dot_sidecar__pb2.PeerFetchRequest.SerializeToString,
+            lmtier_dot_v1_dot_sidecar__pb2.PeerContainsReply.FromString,
             options,
             channel_credentials,
             insecure,

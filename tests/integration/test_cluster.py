@@ -44,6 +44,7 @@ from lmtier_connector.cluster.demo import (
 )
 from lmtier_connector.cluster.launcher import CONFIG_FILES, LocalCluster
 from lmtier_connector.cluster.state import ClusterError, ClusterState, ProcessInfo, read_state
+from lmtier_connector.cluster.trust import SERVER_NAME
 from lmtier_connector.cluster.writes import scrape_tier_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -155,21 +156,40 @@ def test_node_b_is_served_from_peer_redis_then_s3_bit_exact(cluster: LocalCluste
         assert row.max_logit_diff is not None and row.max_logit_diff <= MAX_LOGIT_DIFF, row
 
 
-def _peer_only_cache(cluster: LocalCluster, token: str, spec: KVSpec) -> LMTier:
+def _peer_only_cache(cluster: LocalCluster, spec: KVSpec, secret: str | None = None) -> LMTier:
     """An embedded cache in this process whose only lower tier is the peer tier (no
-    Redis, S3 or disk): what it loads came from another node's memory."""
+    Redis, S3 or disk): what it loads came from another node's memory. It holds the
+    cluster's certificate and integrity key, and proves the node secret (or
+    ``secret``)."""
+    trust = cluster.trust
+    peer: dict[str, object] = {
+        "enabled": True,
+        "directory_url": cluster.redis_url,
+        "tls_ca_file": str(trust.ca),
+        "tls_cert_file": str(trust.cert),
+        "tls_key_file": str(trust.key),
+        "tls_server_name": SERVER_NAME,
+    }
+    peer |= {"token": secret} if secret is not None else {"token_file": str(trust.node_secret)}
     config = load_config(
         env={},
         overrides={
             "cpu": {"capacity_bytes": "4MiB", "staging_bytes": "4MiB"},
             "disk": {"enabled": False},
-            "peer": {"enabled": True, "directory_url": cluster.redis_url, "token": token},
+            "peer": peer,
+            "integrity": {"key_file": str(trust.integrity_key)},
         },
     )
     return LMTier.open(config, kv=spec, model_id="cluster/peer")
 
 
-def test_the_peer_tier_serves_bit_exact_and_only_to_a_node_token(cluster: LocalCluster) -> None:
+def test_the_peer_tier_serves_bit_exact_and_only_to_the_node_secret(
+    cluster: LocalCluster,
+) -> None:
+    """Over the cluster's mutual TLS, with its integrity key: a cache proving the node
+    secret gets B's chunks bit-exact; one proving another secret, or the sidecar token
+    (which in the shipped cluster used to be the node token too), gets nothing and
+    its lookups count nothing."""
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
     tokens = list(range(2000, 2000 + 3 * CHUNK + 5))
     kv = torch.randn(spec.shape(len(tokens)), generator=torch.Generator().manual_seed(4))
@@ -180,7 +200,8 @@ def test_the_peer_tier_serves_bit_exact_and_only_to_a_node_token(cluster: LocalC
     node_b = LMTier.connect(
         cluster.state.nodes[1].socket, config, kv=spec, model_id="cluster/peer", token=token
     )
-    good, bad = _peer_only_cache(cluster, token, spec), _peer_only_cache(cluster, "x" + token, spec)
+    good = _peer_only_cache(cluster, spec)
+    strangers = [_peer_only_cache(cluster, spec, s) for s in ("x" * 32, token)]
     try:
         assert node_b.store(tokens, kv) == 3  # in B's CPU tier, published by B's sidecar
         deadline = time.monotonic() + GONE_TIMEOUT_S
@@ -191,11 +212,12 @@ def test_the_peer_tier_serves_bit_exact_and_only_to_a_node_token(cluster: LocalC
             assert hit.num_tokens == 3 * CHUNK
             assert hit.tokens_by_tier() == {"peer": 3 * CHUNK}
             assert torch.equal(hit.kv(), kv[:, :, : 3 * CHUNK])
-        assert bad.lookup(tokens).num_chunks == 3  # the directory is shared...
-        with bad.load(tokens) as hit:
-            assert hit.num_tokens == 0  # ...B's chunks are not: UNAUTHENTICATED, a miss
+        for bad in strangers:  # the directory is shared, B's chunks are not
+            assert bad.lookup(tokens).num_chunks == 0
+            with bad.load(tokens) as hit:
+                assert hit.num_tokens == 0
     finally:
-        for cache in (bad, good, node_b):
+        for cache in (*strangers, good, node_b):
             cache.close()
 
 
@@ -205,8 +227,11 @@ def test_a_dead_peer_costs_misses_and_leaves_the_directory(cluster: LocalCluster
     node_a = cluster.state.nodes[0]
     os.kill(node_a.sidecar.pid, signal.SIGKILL)  # no drain: it cannot withdraw anything
     _wait_gone(node_a.sidecar, cluster)
-    row = story.row(story.b, "P7", step="A dead, B gets P7", expected="none")
-    assert row.tiers == {}  # the directory still named A: the fetch failed, B recomputed
+    row = story.row(story.b, "P7", step="A dead, B gets P7", expected="redis")
+    # the directory still names A, but B's lookup asks A, counts nothing from it and
+    # walks on to Redis, where A wrote P7 (it recomputed, when lookups trusted the
+    # directory: the load from A failed after the lookup had counted A's chunks)
+    assert row.tiers == {"redis": FULL}
     assert row.prompt_tokens == PROMPT_TOKENS
     assert row.max_logit_diff is not None and row.max_logit_diff <= MAX_LOGIT_DIFF
     client = redis.Redis.from_url(cluster.redis_url)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from redis_servers import RedisServer
@@ -20,26 +21,31 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.config.secrets import Secret
 from lmtier.errors import BackendError, ConfigError
-from lmtier.sidecar.auth import Authenticator, Principal
+from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
+from lmtier.sidecar.peer_auth import NodeKey
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
+from lmtier_backends.peer.fetch import PeerClient, PeerTLS
 from lmtier_backends.peer.tier import PeerTier
+from lmtier_connector.cluster.trust import SERVER_NAME, TrustFiles, ensure_trust
 
-TOKEN = "node-token-for-tests-0123456789"
+TOKEN = "node-secret-for-tests-0123456789"
+SIDECAR_TOKEN = "sidecar-token-for-tests-0123456"
 SLAB = 64 * 1024
 
 
 class Node:
-    """One node: a CPU tier, its peer listener, and a peer tier attached to it."""
+    """One node: a CPU tier, its peer listener, and a peer tier attached to it. The
+    listener's node secret is ``secret``; the tier proves ``TOKEN``."""
 
-    def __init__(self, url: str, *, token: str = TOKEN, scoped: bool = False) -> None:
-        self.url, self.token, self.scoped = url, token, scoped
+    def __init__(self, url: str, *, secret: str = TOKEN, tls: TrustFiles | None = None) -> None:
+        self.url, self.secret, self.tls = url, secret, tls
         self.memory = CPUTier(HostPool(SLAB, 256, pin=False))
         self.lock = threading.RLock()
         self.server: PeerServer | None = None
@@ -47,17 +53,24 @@ class Node:
         self.sealer = Sealer()
 
     async def start(self, *, ttl_s: float = 15.0, interval_s: float = 0.05) -> PeerTier:
-        principal = Principal("scoped", models=frozenset({"m"})) if self.scoped else Principal("n")
-        auth = Authenticator([(Secret(self.token), principal)])
-        config = LMTierConfig(
-            peer={"enabled": True, "listen": "127.0.0.1:0"}, sidecar={"auth_token": TOKEN}
-        )
+        peer: dict[str, object] = {"enabled": True, "listen": "127.0.0.1:0", "token": self.secret}
+        tls = None
+        if self.tls is not None:
+            peer |= {"tls_cert_file": str(self.tls.cert), "tls_key_file": str(self.tls.key)}
+            peer["tls_ca_file"] = str(self.tls.ca)
+            tls = PeerTLS(self.tls.ca, self.tls.cert, self.tls.key, SERVER_NAME)
+        config = LMTierConfig(peer=peer, sidecar={"auth_token": SIDECAR_TOKEN})
+        auth = Authenticator.from_config(config.sidecar)
         self.server = PeerServer(
             config, auth, SidecarMetrics(), self.memory, self.lock, sealer=self.sealer
         )
         node = await self.server.start()
         self.tier = PeerTier(
-            self.url, token=Secret(TOKEN), ttl_s=ttl_s, publish_interval_s=interval_s
+            self.url,
+            key=NodeKey(Secret(TOKEN)),
+            tls=tls,
+            ttl_s=ttl_s,
+            publish_interval_s=interval_s,
         )
         await self.tier.attach_node(node)
         return self.tier
@@ -190,9 +203,13 @@ def test_a_chunk_not_yet_written_down_is_sealed_and_served(redis_server: RedisSe
     _run(body)
 
 
-def test_a_dead_peer_is_a_miss_and_forgotten_with_its_heartbeat(
+def test_a_dead_peer_is_not_counted_by_lookups_and_forgotten_with_its_heartbeat(
     redis_server: RedisServer,
 ) -> None:
+    """A lookup asks the owners it would load from: once A is dead, B's lookup counts
+    nothing at once (it counted A's 3 chunks until A's heartbeat expired, so an engine
+    waited for a load that returned none), and its reads do not call A again."""
+
     async def body() -> None:
         a, b = Node(redis_server.url), Node(redis_server.url)
         await a.start(ttl_s=1.0, interval_s=0.05)
@@ -210,11 +227,12 @@ def test_a_dead_peer_is_a_miss_and_forgotten_with_its_heartbeat(
             publisher_task = tier_a.publisher._task
             assert publisher_task is not None
             publisher_task.cancel()
-            with pytest.raises(BackendError):  # every peer of the read failed
-                await tier_b.get_into(keys, _buffers(3))
+            assert await tier_b.contains(keys) == 0  # A's heartbeat still lives
+            assert await tier_b.get_into(keys, _buffers(3)) == [None] * 3
+            assert tier_b.stats.errors >= 1
 
             async def forgotten() -> bool:
-                return await tier_b.contains(keys) == 0
+                return await tier_b.directory.lookup(keys) == []
 
             await _until(forgotten)  # the heartbeat's TTL ran out: 1 s
         finally:
@@ -224,23 +242,96 @@ def test_a_dead_peer_is_a_miss_and_forgotten_with_its_heartbeat(
     _run(body)
 
 
-def test_a_wrong_or_scoped_token_fetches_nothing(redis_server: RedisServer) -> None:
+def test_a_peer_that_evicted_a_chunk_is_not_counted(redis_server: RedisServer) -> None:
+    """Between A's eviction and its publisher's next round the directory still names
+    A; B's lookup asks A and counts only the leading chunks A holds."""
+
     async def body() -> None:
-        for holder in (
-            Node(redis_server.url, token="another-token-entirely-01234567"),
-            Node(redis_server.url, scoped=True),
-        ):
-            b = Node(redis_server.url)
-            tier_a, tier_b = await holder.start(), await b.start()
-            try:
-                chunk = make_chunk()
-                assert await tier_a.put([chunk]) == 1
-                assert await tier_b.contains([chunk[0]]) == 1  # the directory is shared
-                with pytest.raises(BackendError, match="refused the token"):
-                    await tier_b.get_into([chunk[0]], _buffers(1))
-            finally:
-                await holder.stop()
-                await b.stop()
+        a, b = Node(redis_server.url), Node(redis_server.url)
+        await a.start(interval_s=60.0)  # no round between the eviction and the lookup
+        tier_b = await b.start()
+        try:
+            tier_a = a.tier
+            assert tier_a is not None
+            chunks = [make_chunk(seed=i) for i in range(4)]
+            assert await tier_a.put(chunks) == 4  # claimed at once
+            keys = [key for key, _ in chunks]
+            assert await tier_b.contains(keys) == 4
+            with a.lock:
+                a.memory.discard([keys[2]])
+            assert len(await tier_b.directory.lookup(keys)) == 4  # still named
+            assert await tier_b.contains(keys) == 2
+        finally:
+            await a.stop()
+            await b.stop()
+
+    _run(body)
+
+
+def test_another_node_secret_fetches_nothing(redis_server: RedisServer) -> None:
+    """A node whose listener has another node secret refuses B's proofs: B's lookup
+    counts nothing, and a direct fetch is refused with a one-line reason."""
+
+    async def body() -> None:
+        holder = Node(redis_server.url, secret="another-secret-entirely-01234567")
+        b = Node(redis_server.url)
+        tier_a, tier_b = await holder.start(), await b.start()
+        try:
+            chunk = make_chunk()
+            assert await tier_a.put([chunk]) == 1
+            assert len(await tier_b.directory.lookup([chunk[0]])) == 1  # shared directory
+            assert await tier_b.contains([chunk[0]]) == 0
+            assert await tier_b.get_into([chunk[0]], _buffers(1)) == [None]
+            assert tier_a.node is not None
+            with pytest.raises(BackendError, match="refused this node's proof"):
+                await tier_b.client.fetch_into(tier_a.node.address, [chunk[0]], _buffers(1))
+        finally:
+            await holder.stop()
+            await b.stop()
+
+    _run(body)
+
+
+def test_peers_talk_mutual_tls_with_the_clusters_certificates(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The shipped cluster's trust files (lmtier cluster): B fetches A's chunks over
+    mutual TLS bit-exact; a caller without the cluster's certificate (TLS with the CA
+    only, or another CA's certificate) and a plaintext caller get nothing."""
+    trust, made = ensure_trust(tmp_path / "secrets")
+    assert len(made) == 5
+    assert ensure_trust(tmp_path / "secrets")[1] == []  # kept, not remade
+    for path in (trust.node_secret, trust.integrity_key, trust.ca, trust.cert, trust.key):
+        assert path.stat().st_mode & 0o777 == 0o600
+    stranger, _ = ensure_trust(tmp_path / "stranger")
+
+    async def body() -> None:
+        a, b = Node(redis_server.url, tls=trust), Node(redis_server.url, tls=trust)
+        tier_a, tier_b = await a.start(), await b.start()
+        try:
+            chunks = [make_chunk(seed=i) for i in range(3)]
+            keys = [key for key, _ in chunks]
+            assert await tier_a.put(chunks) == 3
+            assert await tier_b.contains(keys) == 3
+            buffers = _buffers(3)
+            assert await tier_b.get_into(keys, buffers) == [len(c) for _, c in chunks]
+            assert all(bytes(b[: len(c)]) == c for (_, c), b in zip(chunks, buffers, strict=True))
+            assert tier_a.node is not None
+            address = tier_a.node.address
+            for tls in (
+                PeerTLS(trust.ca, server_name=SERVER_NAME),
+                PeerTLS(trust.ca, stranger.cert, stranger.key, SERVER_NAME),
+                None,
+            ):
+                client = PeerClient(NodeKey(Secret(TOKEN)), tls=tls, timeout_s=5.0)
+                try:
+                    with pytest.raises(BackendError):
+                        await client.fetch_into(address, keys, _buffers(3))
+                finally:
+                    await client.close()
+        finally:
+            await a.stop()
+            await b.stop()
 
     _run(body)
 
@@ -275,12 +366,34 @@ def test_a_dead_directory_is_a_backend_error_then_heals(tmp_path) -> None:  # ty
         server.stop()
 
 
-def test_a_listener_needs_a_token() -> None:
-    config = LMTierConfig(peer={"enabled": True, "listen": "127.0.0.1:0"})
+def _server(peer: dict[str, object], sidecar: dict[str, object] | None = None) -> None:
+    config = LMTierConfig(peer={"enabled": True, **peer}, sidecar=sidecar or {})
     memory = CPUTier(HostPool(SLAB, 4, pin=False))
     try:
-        auth, lock = Authenticator(), threading.RLock()
-        with pytest.raises(ConfigError, match="token"):
-            PeerServer(config, auth, SidecarMetrics(), memory, lock, sealer=Sealer())
+        auth = Authenticator.from_config(config.sidecar)
+
+        async def start() -> None:
+            server = PeerServer(
+                config, auth, SidecarMetrics(), memory, threading.RLock(), sealer=Sealer()
+            )
+            try:
+                await server.start()
+            finally:
+                await server.stop(None)
+
+        asyncio.run(start())
     finally:
         memory.pool.close()
+
+
+def test_a_listener_needs_a_node_secret_of_its_own() -> None:
+    with pytest.raises(ConfigError, match="node secret"):
+        _server({"listen": "127.0.0.1:0"}, {"auth_token": SIDECAR_TOKEN})
+    # a sidecar token is no node secret: every node holds the node secret
+    with pytest.raises(ConfigError, match="also a sidecar token"):
+        _server({"listen": "127.0.0.1:0", "token": TOKEN}, {"auth_token": TOKEN})
+
+
+def test_a_listener_advertised_outside_the_allowed_peers_is_refused() -> None:
+    with pytest.raises(ConfigError, match="allowed_peers"):
+        _server({"listen": "127.0.0.1:0", "token": TOKEN, "allowed_peers": "10.0.0.0/8"})

@@ -1,9 +1,14 @@
 """The peer tier: chunks that sit in other nodes' CPU tiers, fetched from their sidecars.
 
 ``contains`` asks the directory in the shared Redis (:mod:`.directory`) who holds
-each key, in one script call, and counts the leading keys with a live owner. Reads
-group the keys by owner and stream each group from the owner's ``lmtier.v1.Peer``
-service (:mod:`.fetch`), concurrently, authenticated with a node token. The chunks
+each key, in one script call, then asks each owner of the leading run whether it
+still holds its keys (``Peer/Contains``, concurrently), and counts the leading keys
+an owner confirmed: a lookup names only what a load would get, so a dead or planted
+owner never makes an engine wait for chunks that will not come. Only owners that
+``peer.allowed_peers`` allows and that have not just failed are asked (:mod:`.owners`).
+Reads group the keys by owner and stream each group from the owner's
+``lmtier.v1.Peer`` service (:mod:`.fetch`), concurrently, each call carrying a proof
+of the node secret rather than the secret itself. The chunks
 are validated like any tier's (checksums, the key asked for, and a MAC when an
 integrity key is set: the tier is ``shared``), each as soon as its last piece has
 landed (``_read_checked``), and the StorageManager promotes them into this node's
@@ -18,8 +23,9 @@ node claims it; the owner claims it again at its next full refresh, ``ttl_s``); 
 the tier passes the conformance suite against a real directory and real fetches.
 
 Failures cost misses: a directory that does not answer raises BackendError (the
-manager's breaker then skips the tier), a peer that is dead, hung or refuses the
-token makes its chunks misses (all of a read's peers failing raises, for the breaker).
+manager's breaker then skips the tier), a peer that is dead, hung, refuses this
+node's proof or cannot prove its own makes its chunks misses and is left alone for
+a backoff (all of a read's peers failing raises, for the breaker).
 A purge is not the tier's to do: each node purges its own CPU tier, which withdraws
 the chunks from the directory at the next round (NotSupportedError here).
 """
@@ -28,28 +34,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.config.secrets import Secret, SecretURL
+from lmtier.config.peer import AddressPolicy
+from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendError
+from lmtier.sidecar.peer_auth import NodeKey
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.node import LocalNode
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import Buffer, CheckedRead, Tier, TierProperties
 from lmtier_backends.peer.directory import Owner, PeerDirectory
-from lmtier_backends.peer.fetch import Check, PeerClient
+from lmtier_backends.peer.fetch import Check, PeerClient, PeerTLS
+from lmtier_backends.peer.owners import Owners
 from lmtier_backends.peer.publisher import Publisher
 
-__all__ = ["OWNER_CACHE", "PeerTier"]
+__all__ = ["PeerTier"]
 
 logger = logging.getLogger(__name__)
 
-OWNER_CACHE = 65536
-"""Owners remembered from lookups, so that the read after a lookup needs no second
-directory call (a stale one costs a miss: the peer no longer has the chunk)."""
+LOOPBACK = AddressPolicy.parse(["127.0.0.0/8", "::1/128", "localhost"])
 LOOKUP_KEY_S = 0.00001
 """Seconds a lookup's deadline grows per key (one script answers a whole batch)."""
 
@@ -61,10 +66,11 @@ class PeerTier(Tier):
         self,
         directory_url: str | SecretURL,
         *,
-        token: Secret | None,
+        key: NodeKey,
+        policy: AddressPolicy = LOOPBACK,
         key_prefix: str = "lmtier:",
         node_id: str = "",
-        tls_ca_file: Path | None = None,
+        tls: PeerTLS | None = None,
         ttl_s: float = 15.0,
         publish_interval_s: float = 0.5,
         timeout_s: float = 1.0,
@@ -80,13 +86,13 @@ class PeerTier(Tier):
         self.directory = PeerDirectory(
             directory_url, key_prefix=key_prefix, ttl_s=ttl_s, timeout_s=timeout_s
         )
-        self.client = PeerClient(token, tls_ca_file=tls_ca_file, progress=self.io_progress)
+        self.client = PeerClient(key, tls=tls, timeout_s=timeout_s, progress=self.io_progress)
+        self.owners = Owners(policy)
         self.node_id = node_id
         self.publish_interval_s = publish_interval_s
         self.max_keys_per_fetch = max_keys_per_fetch
         self.node: LocalNode | None = None
         self.publisher: Publisher | None = None
-        self._owners: OrderedDict[ChunkKey, Owner] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"PeerTier({self.name!r}, {self.directory.where}, node={self.node_id or None})"
@@ -110,28 +116,55 @@ class PeerTier(Tier):
         self.stats.lookups += len(keys)
         if not keys:
             return 0
-        owners = await self.directory.lookup(keys)
+        found = await self.directory.lookup(keys)
         self.io_progress.tick()
-        for key, owner in zip(keys, owners, strict=False):
-            if owner is not None:
-                self._remember(key, owner)
-        return len(owners)
+        leading: list[tuple[ChunkKey, Owner]] = []
+        for key, owner in zip(keys, found, strict=False):
+            if owner is None or not self.owners.dialable(owner):
+                break
+            leading.append((key, owner))
+        groups: dict[str, list[ChunkKey]] = {}
+        for key, owner in leading:
+            groups.setdefault(owner[1], []).append(key)
+        held: dict[str, int] = {}
 
-    def _remember(self, key: ChunkKey, owner: Owner) -> None:
-        self._owners[key] = owner
-        self._owners.move_to_end(key)
-        if len(self._owners) > OWNER_CACHE:
-            self._owners.popitem(last=False)
+        async def ask(address: str, owned: list[ChunkKey]) -> None:
+            try:
+                held[address] = await self.client.count(address, owned)
+            except BackendError as exc:
+                held[address] = 0
+                self._failed(address, exc)
+            else:
+                self.owners.succeeded(address)
+
+        async with asyncio.TaskGroup() as group:
+            for address, owned in groups.items():
+                group.create_task(ask(address, owned))
+        counted = dict.fromkeys(groups, 0)
+        total = 0
+        for key, owner in leading:  # the leading run every owner confirmed, in order
+            address = owner[1]
+            if counted[address] >= held[address]:
+                break
+            counted[address] += 1
+            self.owners.remember(key, owner)
+            total += 1
+        return total
+
+    def _failed(self, address: str, exc: BackendError) -> None:
+        self.stats.errors += 1
+        self.owners.failed(address)
+        logger.debug("%s: peer %s failed: %s", self.name, address, exc)
 
     async def _owners_of(self, keys: Sequence[ChunkKey]) -> list[Owner | None]:
-        owners: list[Owner | None] = [self._owners.get(key) for key in keys]
+        owners: list[Owner | None] = [self.owners.get(key) for key in keys]
         unknown = [i for i, owner in enumerate(owners) if owner is None]
         if unknown:
             found = await self.directory.lookup([keys[i] for i in unknown], every=True)
             self.io_progress.tick()
             for i, owner in zip(unknown, found, strict=True):
                 owners[i] = owner
-        return owners
+        return [owner if self.owners.dialable(owner) else None for owner in owners]
 
     async def _read_checked(
         self, keys: Sequence[ChunkKey], buffers: Sequence[memoryview]
@@ -173,8 +206,9 @@ class PeerTier(Tier):
                     )
                 except BackendError as exc:  # the peer's other keys: misses too
                     failures.append(exc)
-                    self._forget_address(address)
+                    self.owners.failed(address)
                     return
+                self.owners.succeeded(address)
                 fetched += 1
                 for i, size in zip(batch, got, strict=True):
                     sizes[i] = size
@@ -194,10 +228,6 @@ class PeerTier(Tier):
                 failures[0],
             )
         return sizes
-
-    def _forget_address(self, address: str) -> None:
-        for key in [k for k, owner in self._owners.items() if owner[1] == address]:
-            del self._owners[key]
 
     # ---- writes (the node's own chunks) ----------------------------------------------
 
@@ -239,7 +269,7 @@ class PeerTier(Tier):
         owners = await self.directory.lookup(keys, every=True)
         by_owner: dict[str, list[ChunkKey]] = {}
         for key, owner in zip(keys, owners, strict=True):
-            self._owners.pop(key, None)
+            self.owners.forget(key)
             if owner is not None:
                 by_owner.setdefault(owner[0], []).append(key)
         removed = 0

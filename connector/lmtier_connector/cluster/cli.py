@@ -1,4 +1,4 @@
-"""``lmtier cluster up|down|status|demo``, registered through the ``lmtier.commands``
+"""``lmtier cluster up|down|status|secrets|demo``, registered through the ``lmtier.commands``
 entry point. The launcher, its clients (redis-py, boto3, grpc) and the demo are
 imported when a command runs, so building the ``lmtier`` parser loads none of them.
 """
@@ -31,6 +31,7 @@ examples:
   lmtier cluster demo --engine http://engine-a:8000 --engine http://engine-b:8000 \\
       --redis-url redis://:PASSWORD@redis:6379/0           # docker-compose's client
   lmtier cluster down --dir /tmp/lmtier-cluster [--clean]
+  lmtier cluster secrets --dir /var/lib/lmtier/secrets    # docker-compose's cluster-secrets
 """
 
 
@@ -84,7 +85,32 @@ def register(commands: Any) -> None:
     status.add_argument("--json", action="store_true", help="one JSON object")
     status.set_defaults(handler=_status)
 
+    trust = actions.add_parser(
+        "secrets",
+        help="write the peers' node secret, integrity key and TLS files where missing",
+        description=(
+            "Generate, where missing, what the nodes of a cluster need to trust each other "
+            "and no one else (0600 files in D: peer.secret, integrity.key, peer-ca.pem, "
+            "peer.pem, peer-key.pem); existing files are kept. `up` does this itself; "
+            "docker-compose.yml's cluster-secrets job runs it."
+        ),
+    )
+    trust.add_argument("--dir", metavar="D", required=True, help="the secrets directory")
+    trust.set_defaults(handler=_secrets)
+
     _add_demo(actions)
+
+
+def _secrets(args: argparse.Namespace, config: LMTierConfig) -> int:
+    from lmtier_connector.cluster.trust import ensure_trust  # noqa: PLC0415
+
+    files, made = ensure_trust(Path(args.dir).expanduser())
+    kept = 5 - len(made)
+    print(
+        f"lmtier cluster secrets: {files.node_secret.parent}: "
+        f"wrote {', '.join(made) or 'nothing'}; kept {kept} file(s)"
+    )
+    return 0
 
 
 def _add_demo(actions: Any) -> None:
@@ -174,6 +200,7 @@ def _print_cluster(cluster: LocalCluster, seconds: float) -> None:
         print(f"  {node.name}  engine {node.engine_url}  sidecar {node.socket}")
         print(f"  {' ' * len(node.name)}  metrics {node.metrics_url}")
     print(f"  logs    {state.directory}/logs; token in {cluster.token_file}")
+    print(f"  trust   {cluster.trust.ca.parent} (node secret, integrity key, peer TLS)")
 
 
 def _report_down(problems: list[str]) -> int:

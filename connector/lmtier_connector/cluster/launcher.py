@@ -9,9 +9,11 @@ over that sidecar). The processes read the same config files as docker-compose.y
 reaches them as ``LMTIER_*`` and ``AWS_*`` variables, as the files' comments say
 (:mod:`.commands`).
 
-Everything lives in one directory: ``cluster.json`` (pids, addresses) and the
-secrets (:mod:`.state`), ``logs/`` (one file per process), Redis's and MinIO's data,
-each node's socket and disk tier. Each process runs in its own session; readiness is
+Everything lives in one directory: ``cluster.json`` (pids, addresses), the
+secrets (:mod:`.state`), ``trust/`` (the peers' node secret, the integrity key and
+the peer TLS certificates, made at the first start and kept: :mod:`.trust`),
+``logs/`` (one file per process), Redis's and MinIO's data, each node's socket and
+disk tier. Each process runs in its own session; readiness is
 waited for by probing (:mod:`.health`), never by sleeping; :meth:`LocalCluster.down`
 stops the processes by their recorded pids (:mod:`.processes`) and removes nothing
 unless asked (``clean``).
@@ -41,6 +43,7 @@ from lmtier_connector.cluster.state import (
     ProcessInfo,
     read_state,
 )
+from lmtier_connector.cluster.trust import TrustFiles, ensure_trust
 
 __all__ = ["CONFIG_FILES", "LocalCluster", "default_directory", "find_deploy_dir"]
 
@@ -55,6 +58,8 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = {"engine": 30.0, "sidecar": 40.0, "shared": 15.0}
 """SIGTERM to SIGKILL, per stage: a sidecar drains within ``drain_timeout_s`` (20 s)."""
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with its NUL
+TRUST_DIR = "trust"
+"""Where the peers' node secret, integrity key and TLS files live (:mod:`.trust`)."""
 
 
 def default_directory() -> Path:
@@ -137,6 +142,11 @@ class LocalCluster:
         return self.state.redis_url(self.secrets)
 
     @property
+    def trust(self) -> TrustFiles:
+        """The peers' node secret, the integrity key and the peer TLS files (:mod:`.trust`)."""
+        return TrustFiles.in_directory(self.directory / TRUST_DIR)
+
+    @property
     def token_file(self) -> Path:
         """The file holding the sidecars' token (first line)."""
         return self.directory / TOKEN_FILE
@@ -165,6 +175,7 @@ class LocalCluster:
             raise ClusterError(f"cannot use {self.directory}: {exc.strerror}") from None
         self._secrets = ClusterSecrets.generate()
         self._secrets.save(self.directory)
+        ensure_trust(self.directory / TRUST_DIR)  # kept from an earlier cluster here
         self._state = ClusterState(
             directory=str(self.directory),
             deploy_dir=str(deploy_dir),
@@ -274,6 +285,7 @@ class LocalCluster:
             peer_port=int(node.peer_address.rsplit(":", 1)[1]),
             node_name=node.name,
         )
+        env.update(self.trust.sidecar_env())
         env.update(state.sidecar_env)
         command = commands.sidecar_command(config_file, Path(node.socket.removeprefix("unix://")))
         return self._spawn("sidecar", f"{node.name}-sidecar", command, env)
