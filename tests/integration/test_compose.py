@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path, PurePosixPath
@@ -49,7 +50,7 @@ LONG_RUNNING = {
     "prometheus",
     "grafana",
 }
-ONE_SHOT = {"redis-cluster-init", "minio-init", "warmup", "client"}
+ONE_SHOT = {"redis-cluster-init", "minio-init", "cluster-secrets", "warmup", "client"}
 SIDECARS = ("sidecar-a", "sidecar-b")
 ENGINES = {"engine-a": "sidecar-a", "engine-b": "sidecar-b"}
 PROFILES = {"redis-cluster", "monitoring"}
@@ -203,7 +204,8 @@ def test_engines_share_their_own_sidecars_socket_and_memory(
         assert "unix:///run/lmtier/sidecar.sock" in services[sidecar]["command"]
     # Each node has volumes of its own.
     runs = {str(v).split(":")[0] for s in SIDECARS for v in services[s]["volumes"]}
-    assert len(runs) == 2 * 2 + 1  # run and disk per node, and the one sidecar.yaml
+    # run and disk per node, the one sidecar.yaml and the cluster's secrets
+    assert len(runs) == 2 * 2 + 2
 
 
 @pytest.mark.parametrize("name", [*SIDECARS, *ENGINES, "warmup", "client"])
@@ -287,6 +289,61 @@ def test_sidecars_get_the_variables_sidecar_yaml_expects(
         environment = services[name]["environment"]
         assert expected <= set(environment), f"{name} lacks {expected - set(environment)}"
         assert environment["LMTIER_SIDECAR__METRICS_LISTEN"] == "0.0.0.0:9464"
+
+
+def test_peers_trust_only_what_the_secrets_job_made(services: dict[str, dict[str, Any]]) -> None:
+    """A shared Redis is no way in: the sidecars prove a node secret of their own (not
+    the sidecar token) over mutual TLS, check chunks with an integrity key, and dial
+    only each other; all from the cluster-secrets job's volume, which only they mount
+    (read-only) and which it fills before they start."""
+    job = services["cluster-secrets"]
+    assert job["command"][:3] == ["cluster", "secrets", "--dir"]
+    where = PurePosixPath(job["command"][3])
+    assert volume(job, str(where)) == "cluster-secrets"
+    for name in SIDECARS:
+        service = services[name]
+        environment = service["environment"]
+        assert service["depends_on"]["cluster-secrets"] == {
+            "condition": "service_completed_successfully"
+        }
+        assert f"cluster-secrets:{where}:ro" in service["volumes"]
+        files = {
+            "LMTIER_PEER__TOKEN_FILE": "peer.secret",
+            "LMTIER_PEER__TLS_CA_FILE": "peer-ca.pem",
+            "LMTIER_PEER__TLS_CERT_FILE": "peer.pem",
+            "LMTIER_PEER__TLS_KEY_FILE": "peer-key.pem",
+            "LMTIER_INTEGRITY__KEY_FILE": "integrity.key",
+        }
+        for variable, file in files.items():
+            assert environment[variable] == str(where / file), (name, variable)
+        assert environment["LMTIER_PEER__TLS_SERVER_NAME"] == "lmtier-peer"
+        assert set(environment["LMTIER_PEER__ALLOWED_PEERS"].split(",")) == set(SIDECARS)
+        assert "LMTIER_PEER__TOKEN" not in environment
+    for name, service in services.items():
+        if name not in SIDECARS and name != "cluster-secrets":
+            mounted = [str(v).split(":")[0] for v in service.get("volumes", [])]
+            assert "cluster-secrets" not in mounted, f"{name} mounts the cluster's secrets"
+
+
+def test_cluster_secrets_writes_what_is_missing_and_keeps_the_rest(tmp_path: Path) -> None:
+    """The job's command, as a process: five private files at the first run; a second
+    run keeps them (a restarted cluster keeps its keys) and remakes only what went."""
+    where = tmp_path / "secrets"
+    command = [sys.executable, "-m", "lmtier.cli", "cluster", "secrets", "--dir", str(where)]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert "kept 0 file(s)" in first.stdout
+    names = {"peer.secret", "integrity.key", "peer-ca.pem", "peer.pem", "peer-key.pem"}
+    assert {p.name for p in where.iterdir()} == names
+    assert where.stat().st_mode & 0o777 == 0o700
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in where.iterdir())
+    before = {p.name: p.read_bytes() for p in where.iterdir()}
+    (where / "peer.pem").unlink()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert "kept 2 file(s)" in again.stdout  # the TLS files are made together
+    after = {p.name: p.read_bytes() for p in where.iterdir()}
+    for name in ("peer.secret", "integrity.key"):
+        assert after[name] == before[name]
+    assert after["peer-ca.pem"] != before["peer-ca.pem"]
 
 
 def test_bucket_job_creates_sidecar_yamls_bucket(services: dict[str, dict[str, Any]]) -> None:
