@@ -3,7 +3,7 @@ this node's CPU tier to the other nodes of a cluster (the ``peer`` tier's fetche
 
 Why a listener of its own: the sidecar's main listener is usually a unix socket (the
 engines are on the node), while peers are on other machines; and a separate server
-carries only ``Peer``, so a node token cannot open sessions through it.
+carries only ``Peer``, so the node secret cannot open sessions through it.
 
 * **Only the CPU tier.** A fetch leases each cached chunk's slab (``CPUTier.share``,
   under the StorageManager's lock), streams it, and lets go: never a lower tier, so a

@@ -162,6 +162,31 @@ def test_a_planted_owner_learns_no_secret_and_serves_nothing(redis_server: Redis
     _run(body)
 
 
+def test_garbage_in_the_directory_is_a_miss(redis_server: RedisServer) -> None:
+    """Bytes that are no text, a huge value and control characters as a node's address
+    or id: lookups and reads miss, nothing raises."""
+
+    async def body() -> None:
+        b = Node(redis_server.url)
+        tier_b = await b.start()
+        try:
+            for index, (node_id, address) in enumerate(
+                [
+                    ("bad-utf8", b"\xff\xfe\x00:70"),
+                    ("huge", b"1" * 100_000 + b":70"),
+                    ("new\nline", b"127.0.0.1:70\n"),
+                ]
+            ):
+                keys = [make_chunk(seed=20 + index + i)[0] for i in range(2)]
+                await _plant(redis_server.url, node_id, address, keys)  # type: ignore[arg-type]
+                assert await tier_b.contains(keys) == 0
+                assert await tier_b.get_into(keys, _buffers(2)) == [None] * 2
+        finally:
+            await b.stop()
+
+    asyncio.run(body())
+
+
 def test_addresses_the_policy_does_not_allow_are_never_dialled(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

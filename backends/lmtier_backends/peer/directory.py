@@ -271,4 +271,6 @@ class PeerDirectory:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """A directory value as text: anyone who can write the Redis may have written any
+    bytes, which then fail the address checks (:mod:`.owners`), never a decode."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
