@@ -23,6 +23,7 @@ Evictions happen in the sidecar; this process's evict listeners are never called
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from lmtier.maintenance import checked_keys
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.sidecar.heap import reuses_freed_memory
+from lmtier.sidecar.listen import default_listen, parse_listen
 from lmtier.sidecar.slabs import (
     LEASE_MARGIN,
     RemoteSlab,
@@ -55,13 +57,20 @@ from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storing import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["SidecarClient"]
+__all__ = ["SidecarClient", "sidecar_target"]
 
 logger = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1024
 SUB_LOAD = 32
 """Chunks per Load when a long load is pipelined on the lane."""
+
+
+def sidecar_target(config: LMTierConfig) -> str:
+    """Where ``lmtier serve`` listens with ``config`` when no ``--listen`` is given: its
+    ``sidecar.listen``, else the default socket (:func:`.listen.default_listen`, from
+    this process's environment, as the server reads its own)."""
+    return parse_listen(config.sidecar.listen or default_listen(os.environ)).grpc_target
 
 
 class SidecarClient(LMTier):
@@ -229,7 +238,7 @@ class SidecarClient(LMTier):
                     chunks = self._load_streamed(connection, request, keys)
             except SidecarUnavailable:
                 chunks = []
-        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis, origin)
+        return LoadResult(chunks, self.chunk_size, self.kv_spec, origin)
 
     def _load_shared(
         self,

@@ -1,11 +1,14 @@
-"""What a failed sidecar call means to its client (lmtier/sidecar/outcomes.py)."""
+"""What a failed sidecar call means to its client (lmtier/sidecar/outcomes.py), and
+where a client looks for a sidecar when it is given no address."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
+from lmtier.config import LMTierConfig
 from lmtier.errors import InvalidRequestError, PermissionDeniedError
+from lmtier.sidecar.client import sidecar_target
 from lmtier.sidecar.outcomes import SidecarRefused, SidecarUnavailable, outcome
 
 Code = grpc.StatusCode
@@ -47,3 +50,12 @@ def test_the_callers_own_errors_raise() -> None:
     found = outcome(Code.INVALID_ARGUMENT, "a chunk of this namespace is too large", "t")
     assert isinstance(found.error, InvalidRequestError) and found.answered
     assert outcome(Code.DATA_LOSS, "?", "t").complaint == "sidecar t: unexpected DATA_LOSS: ?"
+
+
+def test_a_client_without_an_address_looks_where_lmtier_serve_listens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert sidecar_target(LMTierConfig()) == "unix:///run/user/1000/lmtier/sidecar.sock"
+    named = LMTierConfig(sidecar={"listen": "127.0.0.1:7000"})
+    assert sidecar_target(named) == "127.0.0.1:7000"
