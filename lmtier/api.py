@@ -147,18 +147,24 @@ class LMTier(Maintenance):
 
     @classmethod
     def connect(
-        cls, target: str, config: LMTierConfig | None = None, *, kv: KVSpec, **kwargs: Any
+        cls,
+        target: str | None = None,
+        config: LMTierConfig | None = None,
+        *,
+        kv: KVSpec,
+        **kwargs: Any,
     ) -> LMTier:
         """A started client of the sidecar at ``target`` (``unix:///path.sock`` or
-        ``host:port``) with this interface: :class:`lmtier.sidecar.client.SidecarClient`
-        (the ``grpc`` extra). Keyword arguments: the model's (as :meth:`open`), and
-        ``token``, ``credentials``, ``shared_memory``, ``timeout_s``, ``client_name``."""
-        from lmtier.sidecar.client import SidecarClient  # noqa: PLC0415 - the grpc extra
+        ``host:port``; None: where ``lmtier serve`` listens with this config, its
+        ``sidecar.listen`` or else its default socket in ``$XDG_RUNTIME_DIR/lmtier``)
+        with this interface: :class:`lmtier.sidecar.client.SidecarClient` (the ``grpc``
+        extra). Keyword arguments: the model's (as :meth:`open`), and ``token``,
+        ``credentials``, ``shared_memory``, ``timeout_s``, ``client_name``."""
+        from lmtier.sidecar.client import SidecarClient, sidecar_target  # noqa: PLC0415
 
-        client = SidecarClient(
-            target, config if config is not None else load_config(), kv, **kwargs
-        )
-        return client.start()
+        config = config if config is not None else load_config()
+        where = target if target is not None else sidecar_target(config)
+        return SidecarClient(where, config, kv, **kwargs).start()
 
     def start(self) -> LMTier:
         """Allocate the host pool, open the tiers and start background writers.
@@ -305,7 +311,7 @@ class LMTier(Maintenance):
     def _load(self, keys: Sequence[ChunkKey], lookup: Lookup | None, origin: str) -> LoadResult:
         manager = self._require()
         chunks = self._runtime.run(manager.get(keys, lookup)) if keys else []
-        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis, origin)
+        return LoadResult(chunks, self.chunk_size, self.kv_spec, origin)
 
     def acquire_slabs(self, count: int) -> list[SlabHandle]:
         """Up to ``count`` free host slabs to encode chunks into (evicting idle cached

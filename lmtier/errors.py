@@ -31,7 +31,9 @@ configuration and bugs.
     │                               that cannot list its chunks); NotImplementedError too
     ├── CapacityError               an item larger than a pool or tier could ever hold
     ├── HandleError                 misuse of a pooled buffer (double release, use after release)
-    └── AuthenticationError         a sidecar call without a valid bearer token
+    ├── AuthenticationError         a sidecar call without a valid bearer token
+    └── PermissionDeniedError       a namespace (model, cache salt) the caller's token
+                                    does not cover, asked of a sidecar
 
 ``CorruptChunk`` is not a ``BackendError``: decoding validates bytes from anywhere
 (a file, a socket, a test), and a corrupt chunk says nothing about the tier's health.
@@ -66,6 +68,7 @@ __all__ = [
     "InvalidTokensError",
     "LMTierError",
     "NotSupportedError",
+    "PermissionDeniedError",
     "TruncatedChunk",
     "UnauthenticChunk",
     "UnsupportedVersion",
@@ -181,3 +184,11 @@ class HandleError(LMTierError):
 class AuthenticationError(LMTierError):
     """A sidecar call carried no bearer token, a malformed one, or one that is not
     configured. The message says which, and never quotes a token."""
+
+
+class PermissionDeniedError(LMTierError):
+    """A sidecar refused a call's namespace: the caller's token is scoped (a
+    ``tokens_file`` entry's ``models`` and ``salts``) and does not cover that model or
+    cache salt. An error for that call only: nothing was stored, loaded or changed,
+    and the namespaces the token does cover are served as before. The message names
+    the token's entry, never the token."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.kv_spec import torch_dtype
+from lmtier.kv_spec import KVSpec, torch_dtype
 from lmtier.storage.lookup import LoadedChunk, Lookup
 
 __all__ = ["CacheLookup", "HostMemory", "LoadResult", "caller"]
@@ -81,14 +81,23 @@ class LoadResult:
     one dropped unreleased is reclaimed when collected, with a warning (module docstring).
     """
 
-    __slots__ = ("__weakref__", "_released", "chunk_size", "chunks", "origin", "token_axis")
+    __slots__ = (
+        "__weakref__",
+        "_released",
+        "chunk_size",
+        "chunks",
+        "kv_spec",
+        "origin",
+        "token_axis",
+    )
 
     def __init__(
-        self, chunks: list[LoadedChunk], chunk_size: int, token_axis: int, origin: str = "?"
+        self, chunks: list[LoadedChunk], chunk_size: int, kv_spec: KVSpec, origin: str = "?"
     ) -> None:
         self.chunks = chunks
         self.chunk_size = chunk_size
-        self.token_axis = token_axis
+        self.kv_spec = kv_spec
+        self.token_axis = kv_spec.token_axis
         self.origin = origin
         """Where the load was asked for (``file:line``), named if it leaks."""
         self._released = not chunks
@@ -102,16 +111,22 @@ class LoadResult:
         """Zero-copy tensor views of each chunk (valid until :meth:`release`)."""
         return [self._view(chunk) for chunk in self.chunks]
 
-    def kv(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def kv(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """All loaded KV concatenated on the token axis, ``KVSpec.token_axis`` (the block
-        axis of a paged layout), or None if empty: a new tensor, or written into ``out``
-        (shaped for :attr:`num_tokens`, any device), which spares an allocation whose
-        first touch costs more than the copy."""
+        axis of a paged layout), shaped ``kv_spec.shape(num_tokens)``: a new tensor, or
+        written into ``out`` (shaped for :attr:`num_tokens`, any device), which spares
+        an allocation whose first touch costs more than the copy.
+
+        A miss is KV of 0 tokens (``out``: its 0-token view), not None: code that
+        compares or concatenates the prefix's KV runs unchanged when nothing was cached
+        (a cold cache, a sidecar that is down)."""
+        if not self.chunks:
+            if out is not None:
+                return out.narrow(self.token_axis, 0, 0)
+            return torch.empty(self.kv_spec.shape(0), dtype=torch_dtype(self.kv_spec.dtype))
         # Views for the copy only (none escapes): cut from each slab's tensor, ~3 us a
         # chunk, not the ~13 us of a view that keeps this result alive (tensors()).
         views = [self._transient_view(chunk) for chunk in self.chunks]
-        if not views:
-            return None
         if out is None:
             return torch.cat(views, dim=self.token_axis)
         return torch.cat(views, dim=self.token_axis, out=out)

@@ -10,8 +10,9 @@ either (``stats``, ``lookup``). Two things differ from an engine's cache:
   empty one would make ``lmtier stats`` slow and heavy. The lower tiers (disk, Redis,
   S3) open as configured: their chunks are shared with the engines that use them.
 * A sidecar client streams (no shared-memory mapping: these commands move no KV),
-  and a sidecar that does not answer is an error here, where an engine would take
-  misses: an operator asking "what is cached?" must not be told "nothing".
+  and a sidecar that does not answer, or refuses the token or the namespace the
+  command names (``--cache-salt``, the model), is an error here, where an engine
+  would take misses: an operator asking "what is cached?" must not be told "nothing".
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from lmtier.chunks.format import align_up
 from lmtier.config import LMTierConfig, Secret
 from lmtier.config.secrets import read_secret_file
-from lmtier.errors import BackendUnavailable
 
 if TYPE_CHECKING:
     from lmtier.api import LMTier
@@ -55,35 +55,30 @@ def connect_sidecar(
     kv: KVSpec,
     *,
     token_file: str | None = None,
+    cache_salt: str = "",
     **model: Any,
 ) -> LMTier:
-    """A client of the sidecar at ``target`` that has answered once.
+    """A client of the sidecar at ``target`` that has opened a session of the model's
+    namespace under ``cache_salt`` (the one the command asks through: a token scoped
+    to salts may open no other).
 
     The token is ``token_file``'s first line, else the config's ``sidecar.auth_token``
     or ``auth_token_file`` (the node's own config names the token its sidecar wants).
-    BackendUnavailable when the sidecar cannot be reached or refuses this client.
+    BackendUnavailable when the sidecar cannot be reached, AuthenticationError when it
+    refuses the token, PermissionDeniedError when the token does not cover that
+    namespace (each one line).
     """
-    from lmtier.api import LMTier  # noqa: PLC0415 - the grpc extra, torch
+    from lmtier.sidecar.client import SidecarClient  # noqa: PLC0415 - the grpc extra
 
     token = _token(config, token_file)
-    cache = LMTier.connect(
-        target,
-        config,
-        kv=kv,
-        token=token,
-        shared_memory=False,
-        client_name="lmtier ops",
-        **model,
+    cache = SidecarClient(
+        target, config, kv, token=token, shared_memory=False, client_name="lmtier ops", **model
     )
-    # stats() is the one call that tells "empty" from "unreachable": {} only when the
-    # sidecar did not answer (down, wrong address, or a token it refused).
-    if not cache.stats():
+    try:
+        return cache.check(cache_salt)
+    except BaseException:
         cache.close()
-        raise BackendUnavailable(
-            f"the sidecar at {target} did not answer (is `lmtier serve` running there, "
-            "and is the token right?)"
-        )
-    return cache
+        raise
 
 
 def open_cache(
@@ -92,11 +87,14 @@ def open_cache(
     *,
     sidecar: str | None,
     token_file: str | None = None,
+    cache_salt: str = "",
     **model: Any,
 ) -> LMTier:
     """The sidecar at ``sidecar`` (:func:`connect_sidecar`), else the embedded tiers."""
     if sidecar:
-        return connect_sidecar(sidecar, config, kv, token_file=token_file, **model)
+        return connect_sidecar(
+            sidecar, config, kv, token_file=token_file, cache_salt=cache_salt, **model
+        )
     return open_embedded(config, kv, **model)
 
 

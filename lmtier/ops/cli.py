@@ -80,6 +80,11 @@ def register_stats(commands: Any) -> None:
         "it; default: the config's model_id, else lmtier-ops)",
     )
     stats.add_argument(
+        "--cache-salt",
+        help="cache salt of that session (for a token scoped to salts: one it allows; "
+        "default: none)",
+    )
+    stats.add_argument(
         "--json", action="store_true", help="one JSON object (schema lmtier.stats/1)"
     )
     stats.add_argument(

@@ -87,6 +87,7 @@ def cmd_lookup(args: argparse.Namespace, config: LMTierConfig) -> int:
         model.spec,
         sidecar=args.sidecar,
         token_file=args.sidecar_token_file,
+        cache_salt=salt,
         tp_size=args.tp_size,
         **model.cache_kwargs(),
     ) as cache:

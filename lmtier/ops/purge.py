@@ -82,6 +82,7 @@ def cmd_purge(args: argparse.Namespace, config: LMTierConfig) -> int:
             model.spec,
             sidecar=args.sidecar,
             token_file=args.sidecar_token_file,
+            cache_salt=salt,
             tp_size=args.tp_size,
             tp_rank=rank,
             **model.cache_kwargs(),

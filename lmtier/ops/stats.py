@@ -299,6 +299,7 @@ def cmd_stats(args: argparse.Namespace, config: LMTierConfig) -> int:
         kv,
         sidecar=args.sidecar,
         token_file=args.sidecar_token_file,
+        cache_salt=args.cache_salt or "",
         model_id=model_id,
     ) as cache:
         # Embedded, a remote tier is asked nothing until a lookup: one for a key no

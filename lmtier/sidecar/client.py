@@ -14,14 +14,16 @@ facade's own code, run in this process; what differs is where chunks live:
   in gRPC messages, into and out of a small private pool of this process.
 
 A sidecar that is down costs misses: lookups find nothing, loads load nothing, stores
-store nothing (see :mod:`.connection` for the backoff and reconnects).
+store nothing (see :mod:`.connection` for the backoff and reconnects). A namespace
+the token's scope does not cover (another cache salt or model) raises
+PermissionDeniedError for the call that names it, and only for it.
 Evictions happen in the sidecar; this process's evict listeners are never called.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,16 +33,18 @@ import grpc
 from lmtier.api import LMTier
 from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey, Namespace
 from lmtier.config import LMTierConfig, Secret
-from lmtier.errors import CacheClosedError, InvalidRequestError
+from lmtier.errors import CacheClosedError, InvalidRequestError, PermissionDeniedError
 from lmtier.kv_spec import KVSpec
 from lmtier.maintenance import checked_keys
 from lmtier.results import HostMemory, LoadResult
 from lmtier.sidecar.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.sidecar.heap import reuses_freed_memory
+from lmtier.sidecar.listen import default_listen, parse_listen
 from lmtier.sidecar.slabs import (
     LEASE_MARGIN,
     RemoteSlab,
     checked_chunks,
+    commit_shared,
     granted_slabs,
     leased_chunks,
     reserve_shared,
@@ -53,13 +57,20 @@ from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storing import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 
-__all__ = ["SidecarClient"]
+__all__ = ["SidecarClient", "sidecar_target"]
 
 logger = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 1024
 SUB_LOAD = 32
 """Chunks per Load when a long load is pipelined on the lane."""
+
+
+def sidecar_target(config: LMTierConfig) -> str:
+    """Where ``lmtier serve`` listens with ``config`` when no ``--listen`` is given: its
+    ``sidecar.listen``, else the default socket (:func:`.listen.default_listen`, from
+    this process's environment, as the server reads its own)."""
+    return parse_listen(config.sidecar.listen or default_listen(os.environ)).grpc_target
 
 
 class SidecarClient(LMTier):
@@ -100,12 +111,40 @@ class SidecarClient(LMTier):
 
     def start(self) -> SidecarClient:
         """Connect and open the base namespace's session (a sidecar that is down is
-        logged, not raised: calls miss until it is up)."""
+        logged, not raised: calls miss until it is up; a token scoped to cache salts,
+        which may not open the unsalted namespace, opens its sessions as calls name
+        the salts)."""
+        connection = self._connect()
+        if connection is None:
+            return self
+        try:
+            connection.session(self.namespace())
+        except SidecarUnavailable as exc:
+            logger.warning(
+                "sidecar %s not reachable yet (%s): misses until it is", self.target, exc
+            )
+        except PermissionDeniedError as exc:
+            logger.info("sidecar %s: no unsalted session for this token (%s)", self.target, exc)
+        return self
+
+    def check(self, cache_salt: str = "") -> SidecarClient:
+        """Connect (as :meth:`start`, if not yet) and open a session of
+        ``namespace(cache_salt)`` now, or raise why not, logging nothing:
+        BackendUnavailable (the sidecar did not answer), AuthenticationError (it refused
+        the token), PermissionDeniedError (the token does not cover that namespace).
+        For tools that must not take "no sidecar" for "nothing cached"
+        (:mod:`lmtier.ops.caches`); an engine just calls, and misses meanwhile."""
+        self._connect()
+        self._conn().check(self.namespace(cache_salt))
+        return self
+
+    def _connect(self) -> Connection | None:
+        """The connection, made now (None: it was made before)."""
         with self._lock:
             if self._closed:
                 raise CacheClosedError("this client was closed; connect again")
             if self._connection is not None:
-                return self
+                return None
             self._connection = Connection(
                 self.target,
                 token=self._token,
@@ -114,13 +153,7 @@ class SidecarClient(LMTier):
                 timeout_s=self._timeout_s,
                 client_name=self._client_name,
             )
-        try:
-            self._connection.session(self.namespace())
-        except SidecarUnavailable as exc:
-            logger.warning(
-                "sidecar %s not reachable yet (%s): misses until it is", self.target, exc
-            )
-        return self
+            return self._connection
 
     def close(self) -> None:
         """End every session (the sidecar gets every slab back) and the channel."""
@@ -205,7 +238,7 @@ class SidecarClient(LMTier):
                     chunks = self._load_streamed(connection, request, keys)
             except SidecarUnavailable:
                 chunks = []
-        return LoadResult(chunks, self.chunk_size, self.kv_spec.token_axis, origin)
+        return LoadResult(chunks, self.chunk_size, self.kv_spec, origin)
 
     def _load_shared(
         self,
@@ -275,7 +308,7 @@ class SidecarClient(LMTier):
         if count == 0:
             return []
         try:
-            session = connection.session(self.namespace())
+            session = connection.any_session(self.namespace())
             return self._acquire(connection, session, count)
         except SidecarUnavailable:
             return []
@@ -335,7 +368,7 @@ class SidecarClient(LMTier):
         try:
             for digest in {key[:16] for key, _, _ in encoded}:  # the sidecar must know each
                 connection.session(self._namespace_of(digest))
-            waits.extend(self._commit(connection, shared))
+            waits.extend(commit_shared(connection, shared))
             if local:
                 waits.append(self._stream_store(connection, local))
                 local = []  # the call in flight owns their slabs now
@@ -346,32 +379,6 @@ class SidecarClient(LMTier):
                 if not handle.released:
                     handle.release()
         return lambda: sum(wait() for wait in waits)
-
-    def _commit(
-        self, connection: Connection, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
-    ) -> list[Callable[[], int]]:
-        by_session: dict[ClientSession, list[tuple[ChunkKey, RemoteSlab, int]]] = {}
-        for key, handle, length in items:
-            assert isinstance(handle, RemoteSlab)
-            by_session.setdefault(handle.session, []).append((key, handle, length))
-        waits: list[Callable[[], int]] = []
-        for session, group in by_session.items():
-            request = pb.CommitRequest(session_id=session.id)
-            for key, handle, length in group:
-                request.chunks.add(lease=handle.lease, key=key, length=length)
-            if session.lane is not None:  # in flight while the next batch is copied
-                answer = connection.start(session, "Commit", request)
-                for _, handle, _ in group:
-                    handle.handed_over()  # the sidecar's now: never touched here again
-                waits.append(functools.partial(_committed, answer))
-                continue
-            future = connection.stub.Commit.future(
-                request, timeout=connection.timeout_s, metadata=connection.metadata
-            )
-            for _, handle, _ in group:
-                handle.handed_over()
-            waits.append(functools.partial(connection.stored, future))
-        return waits
 
     def _stream_store(
         self, connection: Connection, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
@@ -410,24 +417,26 @@ class SidecarClient(LMTier):
         """A no-op (see :meth:`add_evict_listener`)."""
 
     def flush(self) -> None:
-        """Wait until the sidecar has attempted the background writes queued so far."""
+        """Wait until the sidecar has attempted the background writes queued so far
+        (nothing to wait for when its token has opened no session: no store was)."""
         connection = self._conn()
         try:
-            session = connection.session(self.namespace())
+            session = connection.any_session(self.namespace())
             connection.call(
                 connection.stub.Flush,
                 pb.FlushRequest(session_id=session.id),
                 timeout_s=max(connection.timeout_s, 60.0),
             )
-        except SidecarUnavailable:
+        except (SidecarUnavailable, PermissionDeniedError):
             return
 
     def stats(self) -> dict[str, dict[str, object]]:
         """The sidecar's counters: each tier's, and ``sidecar`` (sessions, leases,
-        slabs); empty while it is unreachable."""
+        slabs); empty while it is unreachable. Asked through any session of this
+        client (PermissionDeniedError when its token covers none it has opened)."""
         connection = self._conn()
         try:
-            session = connection.session(self.namespace())
+            session = connection.any_session(self.namespace())
             reply = connection.call(connection.stub.Stats, pb.StatsRequest(session_id=session.id))
         except SidecarUnavailable:
             return {}
@@ -439,7 +448,8 @@ class SidecarClient(LMTier):
 
     def purge(self, cache_salt: str = "", *, dry_run: bool = False) -> dict[str, int]:
         """:meth:`LMTier.purge`, done by the sidecar (tiers that failed or cannot list
-        are left out); SidecarUnavailable while it is unreachable."""
+        are left out); SidecarUnavailable while it is unreachable, PermissionDeniedError
+        for a salt the token does not cover."""
         connection = self._conn()
         session = connection.session(self.namespace(cache_salt))
         request = pb.PurgeRequest(session_id=session.id, dry_run=dry_run)
@@ -472,11 +482,3 @@ class SidecarClient(LMTier):
             for tier, count in connection.call(connection.stub.Pin, request).pinned.items():
                 counts[tier] = counts.get(tier, 0) + count
         return counts
-
-
-def _committed(answer: Callable[[], Any]) -> int:
-    """What a Commit on the lane stored (0 if it failed: a miss)."""
-    try:
-        return int(answer().stored)
-    except SidecarUnavailable:
-        return 0

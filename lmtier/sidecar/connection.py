@@ -6,8 +6,10 @@ misses, never a failed request. Every call has a deadline; a call that fails for
 want of a sidecar opens the connection's circuit breaker (the tiers' own,
 :class:`~lmtier.storage.breaker.CircuitBreaker`): calls then miss at once without
 trying, until one call probes (after 50 ms, doubling to 5 s while probes fail) and
-reconnects, opening fresh sessions. Errors that are the caller's (INVALID_ARGUMENT)
-raise.
+reconnects, opening fresh sessions. Errors that are the call's own raise for that
+call and leave the breaker closed: INVALID_ARGUMENT (InvalidRequestError) and
+PERMISSION_DENIED (PermissionDeniedError: a namespace the token's scope does not
+cover). :mod:`.outcomes` says what each status code means.
 
 Sessions: one ``OpenSession`` stream per namespace (model, geometry, rank, salt),
 opened on first use and watched by a daemon thread; when the stream ends (the
@@ -25,23 +27,36 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
 from lmtier.chunks.keys import Namespace
 from lmtier.config import Secret
-from lmtier.errors import InvalidRequestError
+from lmtier.errors import (
+    AuthenticationError,
+    BackendUnavailable,
+    InvalidRequestError,
+    LMTierError,
+    PermissionDeniedError,
+)
+from lmtier.sidecar.client_session import ClientSession, first_event
 from lmtier.sidecar.lane import LaneClient, LaneError
 from lmtier.sidecar.mappings import PoolMappings
 from lmtier.sidecar.namespaces import to_wire
+from lmtier.sidecar.outcomes import SidecarRefused, SidecarUnavailable, outcome
+from lmtier.sidecar.probe import serving_problem
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
-from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 
-__all__ = ["ClientSession", "Connection", "SidecarUnavailable", "serving_problem"]
+__all__ = [
+    "ClientSession",
+    "Connection",
+    "SidecarRefused",
+    "SidecarUnavailable",
+    "serving_problem",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,47 +67,6 @@ RELEASE_DELAY_S = 0.005
 """How long ended leases wait for a Load or AcquireSlabs to carry them before a
 Release call of their own is sent."""
 MAX_MESSAGE_BYTES = 64 * 1024**2
-_MISSES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-    }
-)
-
-
-class SidecarUnavailable(Exception):
-    """The call cannot reach a working session now: answer it as a miss."""
-
-
-@dataclass(eq=False)
-class ClientSession:
-    """One open session (module docstring)."""
-
-    info: pb.SessionInfo
-    call: Any
-    pool: HostPool | None
-    """The shared pool's slabs, mapped (None: this session streams)."""
-    lane: LaneClient | None = None
-    """The local lane for this session's data-path calls (None: gRPC)."""
-    alive: bool = True
-    releases: list[int] = field(default_factory=list)
-    held: int = 0
-    """Leases of this session held here (:class:`~lmtier.sidecar.slabs.RemoteSlab`)."""
-    ending: bool = False
-    """Ended here while leases were held: its stream is cancelled once the last ends."""
-
-    @property
-    def id(self) -> bytes:
-        return bytes(self.info.session_id)
 
 
 class Connection:
@@ -144,6 +118,8 @@ class Connection:
         """The sidecar's shared pools mapped here (one per incarnation)."""
         self._lanes: dict[str, LaneClient] = {}
         self._token = token
+        self._opened: Namespace | None = None
+        """The namespace whose session opened last (:meth:`any_session`)."""
         self._breaker = CircuitBreaker(
             failure_threshold=1, reset_after_s=BACKOFF_FIRST_S, max_reset_after_s=BACKOFF_MAX_S
         )
@@ -175,29 +151,27 @@ class Connection:
         except grpc.FutureCancelledError:
             return 0
 
-    def failed(self, exc: grpc.RpcError) -> Exception:
-        """What a failed call means here (see :meth:`call`); marks the connection down
-        when the sidecar is unreachable."""
+    def failed(self, exc: grpc.RpcError, *, quiet: bool = False) -> Exception:
+        """What a failed call means here (:mod:`.outcomes`): the exception to raise (a
+        SidecarUnavailable is a miss); marks the connection down when the sidecar did
+        not answer. ``quiet``: log nothing (the caller reports the error itself)."""
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else ""
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return InvalidRequestError(f"sidecar: {details}")
-        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
+        found = outcome(code, details or "", self.target)
+        if found.complaint and not quiet:
+            logger.error("%s", found.complaint)
+        if found.forget:
+            self._drop_sessions()
+        if found.answered:
             with self._lock:
-                self._breaker.record_success()  # busy or forgetful, but up: no backoff
-            if code == grpc.StatusCode.NOT_FOUND:
-                self._drop_sessions()  # it forgot our sessions: reopen on the next call
-            return SidecarUnavailable(details)
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            logger.error("sidecar %s refused this client: %s", self.target, details)
-        elif code not in _MISSES:
-            logger.error("sidecar %s: unexpected %s: %s", self.target, code.name, details)
-        self._mark_down(f"{code.name}: {details}")
-        return SidecarUnavailable(details)
+                self._breaker.record_success()  # up: no backoff for what is not an outage
+        else:
+            self._mark_down(f"{code.name}: {details}", quiet=quiet)
+        return found.error
 
-    def _mark_down(self, why: str) -> None:
+    def _mark_down(self, why: str, *, quiet: bool = False) -> None:
         with self._lock:
-            if self._breaker.state is BreakerState.CLOSED:
+            if self._breaker.state is BreakerState.CLOSED and not quiet:
                 logger.warning(
                     "sidecar %s unreachable (%s): misses until it is back", self.target, why
                 )
@@ -239,17 +213,17 @@ class Connection:
             self._connect(namespace)
         except SidecarUnavailable:
             pass  # recorded by failed(): the next probe waits longer
-        except InvalidRequestError as exc:  # the sidecar answered: it is up again
+        except (InvalidRequestError, PermissionDeniedError) as exc:  # answered: it is up
             logger.warning("sidecar %s refused a session: %s", self.target, exc)
         except Exception:
             logger.exception("sidecar %s: reconnecting failed", self.target)
             with self._lock:
                 self._breaker.record_failure()
 
-    def _connect(self, namespace: Namespace) -> ClientSession:
+    def _connect(self, namespace: Namespace, *, quiet: bool = False) -> ClientSession:
         try:
-            session = self._open(namespace)
-        except InvalidRequestError:
+            session = self._open(namespace, quiet=quiet)
+        except (InvalidRequestError, PermissionDeniedError):
             with self._lock:
                 self._breaker.record_success()  # it answered: this namespace is the problem
             raise
@@ -258,6 +232,7 @@ class Connection:
             won = not closed and (current is None or not current.alive)
             if won:
                 self._sessions[namespace.digest] = session
+                self._opened = namespace
                 self._breaker.record_success()
         if won:
             return session
@@ -266,7 +241,47 @@ class Connection:
             raise SidecarUnavailable("the connection is closed")
         return current
 
-    def _open(self, namespace: Namespace) -> ClientSession:
+    def any_session(self, preferred: Namespace) -> ClientSession:
+        """A session for a call that is the sidecar's, not one namespace's (Stats,
+        Flush, slabs for a store whose keys come later): ``preferred``'s if live, else
+        any live one, else ``preferred``'s opened now, else, when the token's scope
+        refuses ``preferred`` (PermissionDeniedError), the namespace whose session
+        opened last. Raises as :meth:`session` does."""
+        with self._lock:
+            own = self._sessions.get(preferred.digest)
+            live = [s for s in self._sessions.values() if s.alive]
+            opened = self._opened
+        if own is not None and own.alive:
+            return own
+        if live:
+            return live[0]
+        try:
+            return self.session(preferred)
+        except PermissionDeniedError:
+            if opened is None or opened.digest == preferred.digest:
+                raise
+            return self.session(opened)
+
+    def check(self, namespace: Namespace) -> None:
+        """Open ``namespace``'s session now, whatever the breaker says, or raise why
+        not: for tools that must tell "nothing cached" from "no sidecar"
+        (``lmtier stats --sidecar``). BackendUnavailable: it did not answer;
+        AuthenticationError: it refused this client's token; PermissionDeniedError
+        and InvalidRequestError: it refused this namespace. Nothing is logged: the
+        caller reports it."""
+        try:
+            self._connect(namespace, quiet=True)
+        except SidecarRefused as exc:
+            raise AuthenticationError(
+                f"the sidecar at {self.target} refused this client's token: {exc}"
+            ) from None
+        except SidecarUnavailable as exc:
+            raise BackendUnavailable(
+                f"the sidecar at {self.target} did not answer ({exc}): is `lmtier serve` "
+                "running there?"
+            ) from None
+
+    def _open(self, namespace: Namespace, *, quiet: bool = False) -> ClientSession:
         request = pb.OpenSessionRequest(
             namespace=to_wire(namespace),
             shared_memory=self.shared_memory,
@@ -274,9 +289,9 @@ class Connection:
         )
         try:
             call = self.stub.OpenSession(request, metadata=self.metadata)
-            first = _first_event(call, self.timeout_s)
+            first = first_event(call, self.timeout_s)
         except grpc.RpcError as exc:
-            raise self.failed(exc) from None
+            raise self.failed(exc, quiet=quiet) from None
         info = first.opened
         if bytes(info.namespace_digest) != namespace.digest:
             call.cancel()
@@ -413,7 +428,7 @@ class Connection:
                     request = pb.ReleaseRequest(session_id=session.id, leases=leases)
                     try:
                         self.unary(session, "Release", request)
-                    except (SidecarUnavailable, InvalidRequestError) as exc:
+                    except (SidecarUnavailable, LMTierError) as exc:  # the sender lives on
                         logger.debug("release of %d lease(s) failed: %s", len(leases), exc)
             if closed:
                 return
@@ -437,47 +452,3 @@ class Connection:
     def sessions(self) -> Sequence[ClientSession]:
         with self._lock:
             return list(self._sessions.values())
-
-
-def _first_event(call: Any, timeout_s: float) -> pb.SessionEvent:
-    """The first message of an OpenSession stream, within ``timeout_s``."""
-    result: list[Any] = []
-
-    def read() -> None:
-        try:
-            result.append(next(call))
-        except BaseException as exc:  # an RpcError, or StopIteration on a bare close
-            result.append(exc)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not result:
-        call.cancel()
-        reader.join()
-    first = result[0]
-    if isinstance(first, grpc.RpcError):
-        raise first
-    if isinstance(first, BaseException) or first.WhichOneof("event") != "opened":
-        raise SidecarUnavailable("the sidecar ended the session before opening it")
-    event: pb.SessionEvent = first
-    return event
-
-
-def serving_problem(target: str, timeout_s: float) -> str | None:
-    """None when the sidecar at ``target`` (a gRPC target: ``unix:///...``, ``host:port``)
-    says SERVING through ``grpc.health.v1``, which needs no token (it tells whether the
-    process serves, nothing of what it holds); else why not, in a few words."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415 - probes only
-
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s
-            )
-    except grpc.RpcError as exc:
-        return f"sidecar {target}: {exc.code().name}"
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        return f"sidecar {target}: {name}"
-    return None

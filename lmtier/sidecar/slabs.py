@@ -27,6 +27,7 @@ __all__ = [
     "LEASE_MARGIN",
     "RemoteSlab",
     "checked_chunks",
+    "commit_shared",
     "granted_slabs",
     "leased_chunks",
     "reserve_shared",
@@ -209,3 +210,41 @@ def _granted_later(
         return granted_slabs(connection, session, answer(), sent)
     except SidecarUnavailable:
         return []  # no slab free (or no sidecar): the chunks left are dropped
+
+
+def commit_shared(
+    connection: Connection, items: Sequence[tuple[ChunkKey, SlabHandle, int]]
+) -> list[Callable[[], int]]:
+    """Commit filled :class:`RemoteSlab` leases, one Commit per session (in flight when
+    this returns; each is handed over to the sidecar, never touched here again):
+    functions that wait for each Commit's answer and say how many it stored."""
+    by_session: dict[ClientSession, list[tuple[ChunkKey, RemoteSlab, int]]] = {}
+    for key, handle, length in items:
+        assert isinstance(handle, RemoteSlab)
+        by_session.setdefault(handle.session, []).append((key, handle, length))
+    waits: list[Callable[[], int]] = []
+    for session, group in by_session.items():
+        request = pb.CommitRequest(session_id=session.id)
+        for key, handle, length in group:
+            request.chunks.add(lease=handle.lease, key=key, length=length)
+        if session.lane is not None:  # in flight while the next batch is copied
+            answer = connection.start(session, "Commit", request)
+            for _, handle, _ in group:
+                handle.handed_over()  # the sidecar's now: never touched here again
+            waits.append(functools.partial(_committed, answer))
+            continue
+        future = connection.stub.Commit.future(
+            request, timeout=connection.timeout_s, metadata=connection.metadata
+        )
+        for _, handle, _ in group:
+            handle.handed_over()
+        waits.append(functools.partial(connection.stored, future))
+    return waits
+
+
+def _committed(answer: Callable[[], Any]) -> int:
+    """What a Commit on the lane stored (0 if it failed: a miss)."""
+    try:
+        return int(answer().stored)
+    except SidecarUnavailable:
+        return 0

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import re
 import secrets
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -51,6 +54,7 @@ __all__ = [
     "open_session",
     "pieces",
     "read_exactly",
+    "run_lmtier",
     "store_stream",
     "wait_for",
     "write_slab",
@@ -383,3 +387,17 @@ def read_exactly(sock: socket.socket, size: int) -> bytes:
             raise ConnectionResetError("the peer closed")
         data += more
     return data
+
+
+def run_lmtier(config_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m lmtier.cli --config CONFIG ARGS`` as a process, as an operator runs
+    it (no LMTIER_* variables: the file rules; stdin empty)."""
+    return subprocess.run(
+        [sys.executable, "-m", "lmtier.cli", "--config", str(config_path), *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")},
+    )

@@ -5,9 +5,6 @@ a prompt's cached tokens split between its host memory and its disk."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from sidecar_helpers import run_lmtier
 
 from lmtier import KVSpec, LMTier, load_config
 from lmtier.ops.stats import schema_problems
@@ -50,15 +48,8 @@ def config_path(tmp_path: Path) -> Path:
 
 
 def lmtier(config_path: Path, *args: str) -> dict[str, Any]:
-    """``python -m lmtier.cli --config CONFIG ARGS`` as a process; its JSON output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "lmtier.cli", "--config", str(config_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={k: v for k, v in os.environ.items() if not k.startswith("LMTIER_")},
-    )
+    """``lmtier --config CONFIG ARGS`` as a process; its JSON output."""
+    done = run_lmtier(config_path, *args)
     assert done.returncode == 0, done.stderr
     found: dict[str, Any] = json.loads(done.stdout)
     return found

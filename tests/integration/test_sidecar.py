@@ -294,9 +294,9 @@ def test_a_hung_sidecar_is_probed_in_the_background_not_by_callers(
     opened_by: list[str] = []
     open_session = connection._open
 
-    def recorded_open(*args: Any) -> Any:
+    def recorded_open(*args: Any, **kwargs: Any) -> Any:
         opened_by.append(threading.current_thread().name)
-        return open_session(*args)
+        return open_session(*args, **kwargs)
 
     try:
         assert client.store(ids, kv) == 6

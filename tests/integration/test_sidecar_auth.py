@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 from collections.abc import Iterator
@@ -38,11 +39,14 @@ from sidecar_helpers import (
     namespace,
     open_session,
     pieces,
+    run_lmtier,
     store_stream,
     wait_for,
 )
 
 from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.errors import AuthenticationError, PermissionDeniedError
+from lmtier.ops.stats import schema_problems
 from lmtier.sidecar.auth import channel_credentials
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
@@ -381,6 +385,148 @@ def test_tokens_never_reach_the_log(secured: SidecarProcess, stub: pb_grpc.Sidec
     for token in (ADMIN, TENANT_A, TENANT_B, REPLICA_1, REPLICA_2, WRONG):
         assert token not in log
         assert token[-12:] not in log
+
+
+# --- a client whose token is scoped to one salt (LMTier.connect, lmtier ops) ---------
+
+SCOPED_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64)
+"""The geometry of :data:`sidecar_helpers.NAMESPACE`: 8 KiB chunks of 16 tokens, which
+fit the sidecar's 16 KiB slabs."""
+OPS_GEOMETRY = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "64"]
+
+
+def scoped_client(sidecar: SidecarProcess, token: str = TENANT_A) -> LMTier:
+    config = LMTierConfig(chunk_size=16)
+    return LMTier.connect(sidecar.target, config, kv=SCOPED_SPEC, model_id=MODEL, token=token)
+
+
+def prompt(start: int, chunks: int) -> tuple[list[int], torch.Tensor]:
+    tokens = list(range(start, start + 16 * chunks + 3))  # and a tail, never stored
+    kv = torch.randn(SCOPED_SPEC.shape(len(tokens)), generator=torch.Generator().manual_seed(start))
+    return tokens, kv
+
+
+def assert_served(cache: LMTier, tokens: list[int], kv: torch.Tensor, chunks: int) -> None:
+    """``tokens``' first ``chunks`` chunks are cached under salt-a and load bit-exact."""
+    assert cache.lookup(tokens, cache_salt="salt-a").num_tokens == 16 * chunks
+    with cache.load(tokens, cache_salt="salt-a") as hit:
+        assert hit.num_tokens == 16 * chunks
+        assert torch.equal(hit.kv(), kv[:, :, : 16 * chunks])
+
+
+def test_a_client_scoped_to_one_salt_keeps_its_first_store(secured: SidecarProcess) -> None:
+    """The sidecar refuses the unsalted namespace that ``LMTier.connect`` opens first:
+    that refusal is no outage, so the store right after it is kept (it was lost to an
+    open breaker), and flush and stats go through the session the store opened."""
+    tokens, kv = prompt(20_000, 3)
+    with scoped_client(secured) as cache:
+        assert cache.store(tokens, kv, cache_salt="salt-a") == 3
+        cache.flush()
+        assert_served(cache, tokens, kv, 3)
+        assert cache.stats()["sidecar"]["sessions"] >= 1
+
+
+def test_a_salt_the_token_does_not_cover_is_an_error_for_that_call_only(
+    secured: SidecarProcess,
+) -> None:
+    tokens, kv = prompt(21_000, 2)
+    other, other_kv = prompt(22_000, 2)
+    with scoped_client(secured) as cache:
+        assert cache.store(tokens, kv, cache_salt="salt-a") == 2
+        refused = {
+            "lookup": lambda: cache.lookup(tokens, cache_salt="salt-b"),
+            "load": lambda: cache.load(tokens, cache_salt="salt-b"),
+            "store": lambda: cache.store(tokens, kv, cache_salt="salt-b"),
+            "lookup_keys": lambda: cache.lookup_keys(cache.keys(tokens, cache_salt="salt-b")),
+            "purge": lambda: cache.purge("salt-b"),
+            "unsalted": lambda: cache.lookup(tokens),
+        }
+        for name, call in refused.items():
+            with pytest.raises(PermissionDeniedError) as caught:
+                call()
+            message = str(caught.value)
+            assert "tenant-a may not use model" in message, (name, message)
+            assert "\n" not in message and TENANT_A[-12:] not in message
+            # ...and the salt it covers is served as before, at once (no breaker).
+            assert_served(cache, tokens, kv, 2)
+        cache.flush()
+        assert cache.store(other, other_kv, cache_salt="salt-a") == 2
+        assert_served(cache, other, other_kv, 2)
+    assert_unharmed(secured, metadata=bearer(ADMIN))
+
+
+def test_a_wrong_token_costs_misses_and_check_says_why(secured: SidecarProcess) -> None:
+    """A token the sidecar does not accept fails every call alike: an engine gets
+    misses, as from a sidecar that is down (docs/sidecar.md); check() names it."""
+    tokens, kv = prompt(23_000, 2)
+    with scoped_client(secured, token=WRONG) as cache:
+        assert cache.store(tokens, kv, cache_salt="salt-a") == 0
+        assert cache.lookup(tokens, cache_salt="salt-a").num_tokens == 0
+        assert cache.stats() == {}
+        with pytest.raises(AuthenticationError, match="refused this client's token"):
+            cache.check("salt-a")  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def ops_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An operator's config (the model and chunk size) and token files."""
+    folder = tmp_path_factory.mktemp("ops")
+    files = {"config": folder / "ops.yaml"}
+    files["config"].write_text(yaml.safe_dump({"model_id": MODEL, "chunk_size": 16}))
+    for name, token in (("tenant-a", TENANT_A), ("wrong", WRONG)):
+        files[name] = folder / f"{name}.token"
+        files[name].write_text(token + "\n")
+        files[name].chmod(0o600)
+    return files
+
+
+def test_ops_commands_with_a_token_scoped_to_one_salt(
+    secured: SidecarProcess, ops_files: dict[str, Path]
+) -> None:
+    """``lmtier stats``, ``lookup`` and ``purge`` through the sidecar, with a token of
+    one salt (they failed with "did not answer": the first session they opened was
+    the unsalted namespace's)."""
+    tokens, kv = prompt(24_000, 2)
+    with scoped_client(secured) as cache:
+        assert cache.store(tokens, kv, cache_salt="salt-a") == 2
+    config = ops_files["config"]
+    side = ["--sidecar", secured.target, "--sidecar-token-file", str(ops_files["tenant-a"])]
+    salted = [*side, "--cache-salt", "salt-a"]
+
+    done = run_lmtier(config, "stats", *salted, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert schema_problems(report) == [] and report["sidecar"]["sessions"] >= 1
+
+    ids = " ".join(map(str, tokens))
+    done = run_lmtier(config, "lookup", *salted, *OPS_GEOMETRY, "--tokens", ids, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["cached_tokens"] == 32
+
+    done = run_lmtier(config, "purge", *salted, *OPS_GEOMETRY, "--yes", "--json")
+    assert done.returncode == 0, done.stderr
+    purged = json.loads(done.stdout)["namespaces"][0]
+    assert purged["found"]["cpu"] >= 2  # and what the tests before stored under salt-a
+    assert purged["purged"] == purged["found"]
+    with scoped_client(secured) as cache:
+        assert cache.lookup(tokens, cache_salt="salt-a").num_tokens == 0
+
+    # A salt the token does not cover, no salt, or a wrong token: one line each, exit 2.
+    refusals = [
+        (["stats", *side, "--cache-salt", "salt-b"], "tenant-a may not use model"),
+        (["stats", *side], "tenant-a may not use model"),
+        (["purge", *side, "--cache-salt", "salt-b", *OPS_GEOMETRY, "--yes"], "may not use"),
+        (
+            ["stats", "--sidecar", secured.target, "--sidecar-token-file", str(ops_files["wrong"])],
+            "refused this client's token",
+        ),
+    ]
+    for args, words in refusals:
+        done = run_lmtier(config, *args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert words in done.stderr and "did not answer" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "Traceback" not in done.stderr and TENANT_A[-12:] not in done.stderr
 
 
 # --- listeners -------------------------------------------------------------------------

@@ -51,6 +51,22 @@ def test_store_then_load_returns_the_same_kv(cache: LMTier) -> None:
         assert torch.equal(into, kv[:, :, :96])
 
 
+def test_a_miss_loads_the_kv_of_no_tokens(cache: LMTier) -> None:
+    """Code that uses the loaded prefix (compares it, concatenates the rest to it) runs
+    unchanged when nothing is cached: kv() is 0 tokens of the spec's shape, not None."""
+    prompt = list(range(100))
+    with cache.load(prompt) as loaded:
+        assert loaded.num_tokens == 0
+        empty = loaded.kv()
+        assert empty.shape == SPEC.shape(0) and empty.dtype == torch.float32
+        assert torch.equal(empty, kv_for(100)[:, :, : loaded.num_tokens])
+        into = torch.empty(SPEC.shape(0))
+        assert loaded.kv(out=into).shape == SPEC.shape(0)
+    paged = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, layout="LBHSC", block_size=16)
+    with LMTier.open(config(), kv=paged, model_id="tiny") as blocks, blocks.load(prompt) as hit:
+        assert hit.kv().shape == paged.shape(0)
+
+
 def test_store_skips_chunks_already_cached(cache: LMTier) -> None:
     prompt = list(range(64))
     assert cache.store(prompt, kv_for(64)) == 2

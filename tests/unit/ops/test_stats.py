@@ -177,7 +177,12 @@ def test_watch_on_a_terminal_draws_in_place(
     monkeypatch.setattr(time, "sleep", sleep)
     monkeypatch.setattr(sys, "stdout", screen)
     args = argparse.Namespace(
-        sidecar=None, sidecar_token_file=None, model_id=None, json=False, watch=0.5
+        sidecar=None,
+        sidecar_token_file=None,
+        model_id=None,
+        cache_salt=None,
+        json=False,
+        watch=0.5,
     )
     assert stats.cmd_stats(args, load_config(config_path)) == 0
     assert sleeps == [0.5, 0.5]
