@@ -313,3 +313,19 @@ def test_chunk_layout_follows_the_page_order_vllm_resolved(model_dir: Path, tmp_
     assert caches[0].namespace("") != caches[1].namespace("")
     with pytest.raises(ConfigError, match="chunk_layout"):
         ConnectorSettings.from_extra_config({"chunk_layout": "LBHSC"})
+
+
+def test_a_refused_salt_is_one_line_once_and_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    """A sidecar token that does not cover a request's cache_salt refuses every lookup
+    of that salt: a miss each time, logged once in one line (it was a warning with a
+    traceback per request)."""
+    from lmtier.errors import PermissionDeniedError
+    from lmtier_connector.vllm import scheduler
+
+    refusal = PermissionDeniedError("tenant-a may not use model 'm' under cache_salt 'b'")
+    with caplog.at_level("DEBUG", logger=scheduler.__name__):
+        for request in ("r1", "r2", "r3"):
+            scheduler._lookup_failed(refusal, f"lookup for {request}")
+    records = [r for r in caplog.records if r.name == scheduler.__name__]
+    assert len(records) == 1 and records[0].exc_info is None
+    assert "tenant-a may not use" in records[0].getMessage()

@@ -57,6 +57,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from lmtier import Lookup
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
+from lmtier.errors import PermissionDeniedError
 from lmtier_connector.vllm.common import (
     ChunkRefs,
     ConnectorSettings,
@@ -207,8 +208,8 @@ class SchedulerHalf:
             return future.result(timeout=self.settings.lookup_wait_ms / 1000)
         except TimeoutError:
             pass
-        except Exception:
-            logger.warning("lmtier: lookup for %s failed", req_id, exc_info=True)
+        except Exception as exc:
+            _lookup_failed(exc, f"lookup for {req_id}")
             return Lookup(0, ())
         while len(self._lookups) >= MAX_PENDING_LOOKUPS:
             del self._lookups[next(iter(self._lookups))]
@@ -386,6 +387,23 @@ def _result(future: Future[Lookup]) -> Lookup:
     """A finished background lookup's answer; a failure is a miss."""
     try:
         return future.result()
-    except Exception:
-        logger.warning("lmtier: a background lookup failed", exc_info=True)
+    except Exception as exc:
+        _lookup_failed(exc, "a background lookup")
         return Lookup(0, ())
+
+
+_REFUSALS_SEEN: set[str] = set()
+
+
+def _lookup_failed(exc: Exception, what: str) -> None:
+    """Log a failed lookup (a miss). A refusal (the sidecar token does not cover the
+    request's ``cache_salt``) is one line, once per distinct refusal: it repeats for
+    every request of that salt. Anything else is unexpected: a warning with its
+    traceback."""
+    if isinstance(exc, PermissionDeniedError):
+        text = str(exc)
+        if text not in _REFUSALS_SEEN and len(_REFUSALS_SEEN) < 256:
+            _REFUSALS_SEEN.add(text)
+            logger.warning("lmtier: %s refused (a miss for every such request): %s", what, text)
+        return
+    logger.warning("lmtier: %s failed", what, exc_info=exc)
