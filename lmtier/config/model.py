@@ -40,6 +40,7 @@ from lmtier.config.types import (
     SecretUrl,
     Size,
     Text,
+    Wait,
 )
 from lmtier.errors import ConfigError, brief
 from lmtier.storage.tier import DEFAULT_QUEUE_DEPTH
@@ -381,6 +382,11 @@ class LMTierConfig(_Section):
     """``lmtier serve``: listener, security, shared host pool."""
     log_level: Annotated[str, _rule(_one_of(_LOG_LEVELS, ", ".join(_LOG_LEVELS)))] = "WARNING"
     """Level of lmtier's loggers: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)."""
+    close_flush_s: Wait = 30.0
+    """Seconds ``close()``, or the end of a program that did not call it, waits for
+    the background writes still queued to reach the tiers below host memory (at most
+    3600; 0: none). What is queued then is dropped, counted in ``queue_drops``, with
+    one warning."""
 
     @field_validator("hash_algorithm", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ __all__ = [
     "SecretUrl",
     "Size",
     "Text",
+    "Wait",
     "config_error",
 ]
 
@@ -103,6 +104,8 @@ def _wrap(kind: type[Secret] | type[SecretURL]) -> BeforeValidator:
 Bool = Annotated[bool, BeforeValidator(_bool)]
 Int = Annotated[int, _from_text(int), Strict()]
 PositiveFloat = Annotated[float, _from_text(float), Strict(), Field(gt=0.0, allow_inf_nan=False)]
+Wait = Annotated[float, _from_text(float), Strict(), Field(ge=0.0, le=3600.0, allow_inf_nan=False)]
+"""Seconds to wait for something before giving up: 0 (not at all) to an hour."""
 PinFraction = Annotated[float, _from_text(float), Strict(), Field(ge=0.0, le=0.9)]
 """A part of a tier's capacity that pinned chunks may take: at most 0.9, so that
 pins never starve the cache of room for new chunks."""

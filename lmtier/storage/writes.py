@@ -45,8 +45,9 @@ __all__ = ["CLOSE_FLUSH_S", "BackgroundWrites"]
 logger = logging.getLogger(__name__)
 
 CLOSE_FLUSH_S = 30.0
-"""How long :meth:`BackgroundWrites.close` waits for queued writes; what is still
-queued then is dropped (and counted). Call ``flush()`` first to wait for all."""
+"""How long :meth:`BackgroundWrites.close` waits for queued writes by default (the
+facade passes ``close_flush_s`` from its config); what is still queued then is
+dropped (and counted). Call ``flush()`` first to wait for all."""
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -245,15 +246,21 @@ class BackgroundWrites:
         """Wait until every queued write has been attempted."""
         await asyncio.gather(*(queue.join() for queue in self._queues.values()))
 
-    async def close(self) -> None:
-        """Flush (up to ``CLOSE_FLUSH_S``: a hung tier must not hold the process), stop
-        the writers, drop (and count) what is still queued. Idempotent."""
+    async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Flush (up to ``flush_s``: a hung tier must not hold the process), stop the
+        writers, drop (and count) what is still queued, with one warning. Idempotent."""
         if self._closed:
             return
         try:
-            await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
+            await asyncio.wait_for(self.flush(), flush_s)
         except asyncio.TimeoutError:
-            logger.warning("close: writes still queued after %s s are dropped", CLOSE_FLUSH_S)
+            with self.lock:
+                left = sum(self._waiting.values())
+            logger.warning(
+                "close: %d write(s) still queued after %g s are dropped (close_flush_s)",
+                left,
+                flush_s,
+            )
         with self.lock:
             self._closed = True
         await asyncio.sleep(0)  # writes queued from other threads before now land first
