@@ -295,7 +295,8 @@ class DiskTierConfig(_ByteTierSection):
     """Worker threads for file I/O (reads and writes of one batch run in parallel), at
     most 256."""
     file_mode: Annotated[Text, _rule(_file_mode_problem)] = "0600"
-    """Octal permissions of chunk files (directories get the matching search bits),
+    """Octal permissions of chunk files, the ledger and the pins list (directories,
+    ``path`` and the parents the tier creates included, get the matching search bits),
     whatever the umask: KV can reveal prompts. ``"0640"`` lets a group read."""
 
 

@@ -100,10 +100,13 @@ def test_chunk_files_get_the_configured_mode_whatever_the_umask(
     file_mode = int(mode, 8)
     dir_mode = file_mode | ((file_mode & 0o444) >> 2)
     key, data = make_chunk()
+    path = tmp_path / "new" / "chunks"  # disk.path and a parent the tier creates
+    before = stat.S_IMODE(tmp_path.stat().st_mode)
 
     async def scenario() -> DiskTier:
-        tier = await DiskTier.open(tmp_path / "chunks", GIB, file_mode=file_mode)
+        tier = await DiskTier.open(path, GIB, file_mode=file_mode)
         await tier.put([(key, data)])
+        assert await tier.pin([key]) == 1  # writes v1/pins
         await tier.close()
         return tier
 
@@ -112,11 +115,14 @@ def test_chunk_files_get_the_configured_mode_whatever_the_umask(
         tier = run(scenario)
     finally:
         os.umask(old)
-    root = tmp_path / "chunks" / "v1"
+    root = path / "v1"
     assert stat.S_IMODE(Path(tier.path_of(key)).stat().st_mode) == file_mode
-    for directory in (root, root / "tmp", Path(tier.path_of(key)).parent):
+    # disk.path and its new parent were 0755, v1/pins 0644 (the umask's modes).
+    for directory in (tmp_path / "new", path, root, root / "tmp", Path(tier.path_of(key)).parent):
         assert stat.S_IMODE(directory.stat().st_mode) == dir_mode, directory
-    assert stat.S_IMODE((root / "ledger").stat().st_mode) == file_mode
+    for file in (root / "ledger", root / "pins"):
+        assert stat.S_IMODE(file.stat().st_mode) == file_mode, file
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == before  # not ours: left alone
 
 
 def test_directories_of_an_older_install_are_made_private(tmp_path: Path) -> None:

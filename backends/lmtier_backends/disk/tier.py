@@ -139,7 +139,8 @@ class DiskTier(Tier):
         """Entries under ``path`` found at open that are not ours (left alone)."""
         self.adopted_files = 0
         """Chunk files found after open (written by other processes) and indexed."""
-        self.pins = Pins(int(capacity_bytes * max_pinned_fraction), f"{self.root}/{PINS_NAME}")
+        pinned_bytes = int(capacity_bytes * max_pinned_fraction)
+        self.pins = Pins(pinned_bytes, f"{self.root}/{PINS_NAME}", file_mode)
         self._index = DiskIndex(capacity_bytes, self.pins)
         self._ledger = Ledger(self.root)
         self._unservable = RecentKeys(UNSERVABLE_MEMORY_S)
