@@ -597,7 +597,7 @@ def test_lmcache_local_disk_bad_values(env: dict[str, str], value: Any) -> None:
         config_from_dict({"local_disk": value}, env=env)
 
 
-@pytest.mark.parametrize("value", ["lots", True, -1, float("nan")])
+@pytest.mark.parametrize("value", ["lots", True, -1, float("nan"), 1e308, "1e12"])
 def test_lmcache_sizes_bad_values(env: dict[str, str], value: Any) -> None:
     with pytest.raises(ConfigError, match=r"^max_local_cpu_size: must be a"):
         config_from_dict({"max_local_cpu_size": value}, env=env)
