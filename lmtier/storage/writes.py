@@ -253,14 +253,9 @@ class BackgroundWrites:
             return
         try:
             await asyncio.wait_for(self.flush(), flush_s)
+            gave_up = False
         except asyncio.TimeoutError:
-            with self.lock:
-                left = sum(self._waiting.values())
-            logger.warning(
-                "close: %d write(s) still queued after %g s are dropped (close_flush_s)",
-                left,
-                flush_s,
-            )
+            gave_up = True
         with self.lock:
             self._closed = True
         await asyncio.sleep(0)  # writes queued from other threads before now land first
@@ -269,9 +264,18 @@ class BackgroundWrites:
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers.clear()
         self.sealer.close()
+        dropped = 0
         with self.lock:
             for name, queue in self._queues.items():
                 while not queue.empty():
                     self.memory.release_write(queue.get_nowait().handle)
                     self.guards[name].tier.stats.queue_drops += 1
+                    dropped += 1
                 self._waiting[name] = 0
+        if gave_up:
+            logger.warning(
+                "close: writes not done after %g s (close_flush_s): %d queued write(s) "
+                "dropped (counted in queue_drops), the batches being sent abandoned",
+                flush_s,
+                dropped,
+            )
