@@ -449,24 +449,20 @@ class LMTier(Maintenance):
         exiting.forget(self)
         if manager is None:
             return
+        timed_out = False
         try:
             self._runtime.run(manager.close(self.config.close_flush_s), timeout_s)
         except TimeoutError:
             if timeout_s is None:
-                self._stop(pool)
                 raise
             # At exit: the loop's thread is a daemon, it ends with the process.
+            timed_out = True
             logger.warning("exit: closing the cache took over %g s; not waiting more", timeout_s)
-            return
-        except BaseException:
-            self._stop(pool)
-            raise
-        self._stop(pool)
-
-    def _stop(self, pool: HostPool | None) -> None:
-        self._runtime.stop()
-        if pool is not None:
-            pool.close()
+        finally:
+            if not timed_out:
+                self._runtime.stop()
+                if pool is not None:
+                    pool.close()
 
     def __enter__(self) -> LMTier:
         return self.start()
