@@ -36,6 +36,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
+from lmtier import exiting
 from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.integrity import load_key
@@ -70,6 +71,9 @@ slabs, one to hand them over: ~60 us each here, so ~2 us a chunk)."""
 NAMESPACE_CACHE = 1024
 """Tenants (``cache_salt`` values) whose namespace is kept ready; others are rebuilt
 (~3 us) when they come back. A bound: one entry per tenant forever grew without end."""
+EXIT_GRACE_S = 10.0
+"""At exit, how long closing may take beyond ``close_flush_s`` (tiers closing, calls
+abandoned earlier finishing) before the process exits without it."""
 
 
 def _require_int(name: str, value: object, *, lowest: int = 0) -> int:
@@ -192,6 +196,7 @@ class LMTier(Maintenance):
                 pool.close()
                 raise
             self._pool, self._manager = pool, manager
+        exiting.close_at_exit(self)  # queued writes land even if close() is never called
         return self
 
     def host_memory(self) -> HostMemory:
@@ -431,20 +436,39 @@ class LMTier(Maintenance):
         return keys[skip_tokens // self.chunk_size :]
 
     def close(self) -> None:
-        """Flush background writes, close the tiers, stop the runtime. Idempotent; the
-        cache cannot be used (CacheClosedError) or started again afterwards."""
+        """Flush background writes (up to ``close_flush_s``), close the tiers, stop the
+        runtime. Idempotent; the cache cannot be used (CacheClosedError) or started
+        again afterwards. A program that exits without it gets the same close, from
+        an exit hook (:mod:`lmtier.exiting`)."""
+        self._close(None)
+
+    def close_at_exit(self) -> None:
+        """:meth:`close`, bounded for interpreter exit (:mod:`lmtier.exiting`): after
+        ``close_flush_s`` plus ``EXIT_GRACE_S`` the process exits without waiting more."""
+        self._close(self.config.close_flush_s + EXIT_GRACE_S)
+
+    def _close(self, timeout_s: float | None) -> None:
         with self._lock:
             manager, pool = self._manager, self._pool
             self._manager = self._pool = None
             self._closed = True
+        exiting.forget(self)
         if manager is None:
             return
+        timed_out = False
         try:
-            self._runtime.run(manager.close())
+            self._runtime.run(manager.close(self.config.close_flush_s), timeout_s)
+        except TimeoutError:
+            if timeout_s is None:
+                raise
+            # At exit: the loop's thread is a daemon, it ends with the process.
+            timed_out = True
+            logger.warning("exit: closing the cache took over %g s; not waiting more", timeout_s)
         finally:
-            self._runtime.stop()
-            if pool is not None:
-                pool.close()
+            if not timed_out:
+                self._runtime.stop()
+                if pool is not None:
+                    pool.close()
 
     def __enter__(self) -> LMTier:
         return self.start()

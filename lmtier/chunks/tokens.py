@@ -5,7 +5,10 @@ sequence is first turned into the same canonical form: a 1-D numpy ``int64`` arr
 of non-negative ids. Python lists, tuples, numpy arrays and torch tensors (CPU or
 CUDA) are accepted; anything that would make two equal prompts hash differently
 (floats, bools, negative ids, ids beyond the vocabulary) is rejected with
-:class:`~lmtier.errors.InvalidTokensError` instead of being coerced silently.
+:class:`~lmtier.errors.InvalidTokensError` instead of being coerced silently, and so
+is anything else that is not a flat sequence of ids (nested lists, 2-D arrays,
+masked arrays, meta, sparse or quantized tensors): that error is the only one bad
+token ids raise.
 
 torch is not imported here: a tensor is recognised by its type and converted
 through its own ``.cpu().numpy()``, so this module stays usable in processes that
@@ -63,7 +66,9 @@ def as_token_array(tokens: TokenInput, *, vocab_size: int | None = None) -> Toke
             raise InvalidTokensError(
                 f"token id {high} at position {position} does not fit in int64"
             )
-        result = np.ascontiguousarray(array).view(np.int64)  # the same bits: no copy
+        # In this machine's byte order first (a big-endian array's bits viewed as
+        # int64 here were other ids), then the same bits: no copy when they already are.
+        result = np.ascontiguousarray(array, dtype=np.uint64).view(np.int64)
     else:
         result = np.ascontiguousarray(array, dtype=np.int64)
     if kind == "i":  # unsigned ids cannot be negative
@@ -84,12 +89,12 @@ def as_token_array(tokens: TokenInput, *, vocab_size: int | None = None) -> Toke
 
 def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
     if isinstance(tokens, np.ndarray):
+        # The masked ids would be hashed as if they were there.
+        if isinstance(tokens, np.ma.MaskedArray) and bool(np.any(tokens.mask)):
+            raise InvalidTokensError("token ids must not be a masked array with masked ids")
         return tokens
     if _is_torch_tensor(tokens):
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == _torch_bool():
-            raise InvalidTokensError(f"token ids must be integers, got torch dtype {tokens.dtype}")
-        # A CUDA tensor is copied to the host once; hashing needs host bytes anyway.
-        return tokens.detach().cpu().numpy()  # type: ignore[no-any-return]
+        return _from_tensor(tokens)
     if isinstance(tokens, (str, bytes, bytearray, memoryview)):
         raise InvalidTokensError(
             f"token ids must be a sequence of ints, not {type(tokens).__name__}"
@@ -114,9 +119,42 @@ def _to_numpy(tokens: Any) -> npt.NDArray[Any]:
         raise InvalidTokensError(
             f"token ids are not all integers that fit in int64 (first element: {brief(tokens[0])})"
         )
+    if array.ndim != 1:  # nested lists: their shape is not the number of tokens
+        raise InvalidTokensError(
+            f"token ids must be 1-D, a flat sequence of integers, got nested sequences "
+            f"of shape {tuple(array.shape)}"
+        )
     if array.dtype.kind in "iu":
         _refuse_bools(tokens, array)
     return array
+
+
+def _from_tensor(tensor: Any) -> npt.NDArray[Any]:
+    """A 1-D integer tensor's ids on the host; InvalidTokensError for every tensor
+    that holds none (meta), is not dense (sparse, nested, quantized), is not 1-D or
+    not of integers, or cannot be read (checked before any copy off a device)."""
+    import torch  # noqa: PLC0415 - only reached when a tensor was passed: torch is loaded
+
+    try:
+        kind = (tensor.layout, tensor.is_nested, tensor.is_quantized, tensor.device.type)
+        dtype, ndim = tensor.dtype, tensor.dim()
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
+        raise InvalidTokensError(f"token ids cannot be read from this tensor: {exc}") from None
+    layout, nested, quantized, device = kind
+    if nested or quantized or layout != torch.strided:
+        what = "a nested" if nested else "a quantized" if quantized else f"a {layout}"
+        raise InvalidTokensError(f"token ids must be a dense tensor, got {what} tensor")
+    if device == "meta":
+        raise InvalidTokensError("token ids must hold values: a meta tensor has none")
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise InvalidTokensError(f"token ids must be integers, got torch dtype {dtype}")
+    if ndim != 1:
+        raise InvalidTokensError(f"token ids must be 1-D, got shape {tuple(tensor.shape)}")
+    try:
+        # A CUDA tensor is copied to the host once; hashing needs host bytes anyway.
+        return tensor.detach().cpu().numpy()  # type: ignore[no-any-return]
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        raise InvalidTokensError(f"token ids cannot be read from this tensor: {exc}") from None
 
 
 def _refuse_bools(tokens: Sequence[Any], ids: npt.NDArray[Any]) -> None:
@@ -128,10 +166,18 @@ def _refuse_bools(tokens: Sequence[Any], ids: npt.NDArray[Any]) -> None:
     would cost ~13 ns a token, as much as hashing it).
     """
     for index in np.flatnonzero((ids == 0) | (ids == 1)).tolist():
-        if isinstance(tokens[index], (bool, np.bool_)):
+        if _is_bool(tokens[index]):
             raise InvalidTokensError(
                 f"token ids must be integers, got the bool {tokens[index]!r} at position {index}"
             )
+
+
+def _is_bool(value: object) -> bool:
+    """A bool, or a one-element array or tensor of bools (which also pass as 0 or 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and (dtype == np.bool_ or str(dtype) == "torch.bool")
 
 
 def _from_ints(tokens: Sequence[Any]) -> npt.NDArray[np.uint64] | None:
@@ -158,9 +204,3 @@ def _from_ints(tokens: Sequence[Any]) -> npt.NDArray[np.uint64] | None:
 def _is_torch_tensor(value: object) -> bool:
     module = type(value).__module__
     return module.startswith("torch") and hasattr(value, "is_floating_point")
-
-
-def _torch_bool() -> object:
-    import torch  # noqa: PLC0415 - only reached when a tensor was passed, so torch is loaded
-
-    return torch.bool

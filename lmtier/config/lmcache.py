@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from lmtier.config.secrets import redact_url
+from lmtier.config.types import MAX_BYTES
 from lmtier.errors import brief
 
 __all__ = ["KEYS", "UNSUPPORTED", "unsupported_reason"]
@@ -48,6 +49,8 @@ def _lmcache_gb(target: str) -> Callable[[Any], list[tuple[str, Any]]]:
             raise ValueError(f"must be a number of GB, got {brief(value)}")
         if not math.isfinite(number) or number < 0:
             raise ValueError(f"must be a non-negative number of GB, got {brief(value)}")
+        if number * _GIB > MAX_BYTES:  # round() of it could be infinite: OverflowError
+            raise ValueError(f"must be at most {MAX_BYTES // _GIB} GB, got {brief(value)}")
         return [(target, round(number * _GIB))]
 
     return translate

@@ -15,7 +15,9 @@ overrides from code) is :mod:`lmtier.config.sources`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -40,6 +42,8 @@ from lmtier.config.types import (
     SecretUrl,
     Size,
     Text,
+    Timeout,
+    Wait,
 )
 from lmtier.errors import ConfigError, brief
 from lmtier.storage.tier import DEFAULT_QUEUE_DEPTH
@@ -61,6 +65,12 @@ __all__ = [
 
 MAX_CHUNK_SIZE = 65536
 """Most tokens per chunk: one chunk is one slab of host memory and one object."""
+MAX_IO_THREADS = 256
+"""Most disk I/O threads: past a few dozen a disk only queues them."""
+MAX_CONNECTIONS = 1024
+"""Most connections (or requests in flight) to one Redis or S3 endpoint."""
+MAX_LOOKUP_KEY_S = 1.0
+"""Most seconds a lookup's deadline grows per key."""
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 _GIB = 1024**3
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -110,6 +120,45 @@ def _file_mode_problem(value: str) -> str | None:
         "must be an octal mode like '0600' or '0640' that the owner can read and "
         f"write, got {brief(value)}"
     )
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_BUCKET_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_BUCKET_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--table-s3")
+_REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+MAX_PREFIX_BYTES = 512
+"""Longest key prefix (Redis, S3): an S3 key holds at most 1024 bytes, and every
+key of every chunk carries the prefix."""
+
+
+def _bucket_problem(name: str) -> str | None:
+    """What AWS's naming rules for general purpose buckets say against ``name`` (they
+    also hold for S3-compatible servers such as MinIO), or None."""
+    reserved = name.startswith(_BUCKET_PREFIXES) or name.endswith(_BUCKET_SUFFIXES)
+    ip_like = True
+    try:
+        ipaddress.IPv4Address(name)
+    except ValueError:
+        ip_like = False
+    if _BUCKET.fullmatch(name) and ".." not in name and not reserved and not ip_like:
+        return None
+    return (
+        "must be an S3 bucket name: 3-63 lowercase letters, digits, '.' and '-', "
+        "starting and ending with a letter or digit, no '..', not an IP address, "
+        f"not a reserved prefix or suffix (xn--, -s3alias, ...); got {brief(name)}"
+    )
+
+
+def _region_problem(name: str) -> str | None:
+    if _REGION.fullmatch(name):
+        return None
+    return f"must be a region name like 'us-east-1', got {brief(name)}"
+
+
+def _prefix_problem(prefix: str) -> str | None:
+    if len(prefix.encode()) <= MAX_PREFIX_BYTES:
+        return None
+    return f"must be at most {MAX_PREFIX_BYTES} bytes, got {len(prefix.encode())}"
 
 
 def _parsed(url: str) -> SplitResult | None:
@@ -242,10 +291,12 @@ class DiskTierConfig(_ByteTierSection):
     to the disk, which small chunks stored faster than the disk syncs cannot afford."""
     o_direct: Bool = False
     """Read and write with O_DIRECT (bypass the page cache)."""
-    io_threads: Count = 4
-    """Worker threads for file I/O (reads and writes of one batch run in parallel)."""
+    io_threads: Annotated[Count, Field(le=MAX_IO_THREADS)] = 4
+    """Worker threads for file I/O (reads and writes of one batch run in parallel), at
+    most 256."""
     file_mode: Annotated[Text, _rule(_file_mode_problem)] = "0600"
-    """Octal permissions of chunk files (directories get the matching search bits),
+    """Octal permissions of chunk files, the ledger and the pins list (directories,
+    ``path`` and the parents the tier creates included, get the matching search bits),
     whatever the umask: KV can reveal prompts. ``"0640"`` lets a group read."""
 
 
@@ -256,38 +307,39 @@ class RedisTierConfig(_ByteTierSection):
     url: Annotated[SecretUrl, _rule(_redis_url_problem)] | None = None
     """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL; may carry a password (percent-
     encode ``/ ? #`` in it)."""
-    key_prefix: Text = "lmtier:"
-    """Prepended to every Redis key."""
+    key_prefix: Annotated[Text, _rule(_prefix_problem)] = "lmtier:"
+    """Prepended to every Redis key (at most 512 bytes)."""
     ttl_s: PositiveFloat | None = None
     """Seconds a chunk lives in Redis; None keeps it until Redis evicts it."""
     refresh_ttl_on_hit: Bool = False
     """Reset the TTL when a chunk is read."""
-    timeout_s: PositiveFloat = 0.5
+    timeout_s: Timeout = 0.5
     """Seconds a Redis call may go without moving a byte before it counts as a miss (a
-    hung server), and the fixed part of every call's deadline."""
+    hung server), and the fixed part of every call's deadline (at most 3600)."""
     min_bytes_per_s: Size = 64 * 1024**2
     """Slowest transfer counted as healthy: a call's deadline is ``timeout_s`` plus its
     bytes at this rate (a 512-chunk load of 2 MiB chunks: 0.5 s + 16 s), so large
     batches are not lost on a busy machine; a hang still ends a call after ``timeout_s``.
     0: every call gets ``timeout_s``, whatever its size."""
-    lookup_key_s: PositiveFloat = 0.0001
-    """Seconds added to a lookup's deadline per key asked about."""
-    max_connections: Count = 16
-    """Size of the connection pool."""
+    lookup_key_s: Annotated[Timeout, Field(le=MAX_LOOKUP_KEY_S)] = 0.0001
+    """Seconds added to a lookup's deadline per key asked about (at most 1)."""
+    max_connections: Annotated[Count, Field(le=MAX_CONNECTIONS)] = 16
+    """Size of the connection pool (at most 1024)."""
 
 
 class S3TierConfig(_ByteTierSection):
     """S3 (or S3-compatible) tier, shared between nodes. Disabled unless ``bucket`` is set."""
 
     SECTION: ClassVar[str] = "s3"
-    bucket: NonEmptyText | None = None
-    """Bucket name."""
-    prefix: Text = "lmtier/"
-    """Prepended to every object key."""
+    bucket: Annotated[Text, _rule(_bucket_problem)] | None = None
+    """Bucket name, as AWS's naming rules allow (3-63 lowercase letters, digits, dots
+    and hyphens)."""
+    prefix: Annotated[Text, _rule(_prefix_problem)] = "lmtier/"
+    """Prepended to every object key (at most 512 bytes)."""
     endpoint_url: Annotated[Text, _rule(_endpoint_problem)] | None = None
     """http(s) URL of an S3-compatible server (MinIO); None means AWS."""
-    region: NonEmptyText | None = None
-    """AWS region; None lets boto3 decide."""
+    region: Annotated[Text, _rule(_region_problem)] | None = None
+    """AWS region (``us-east-1``); None lets boto3 decide."""
     access_key_id: SecretText | None = None
     """Access key id, set together with ``secret_access_key``; None lets boto3 find
     credentials (environment, profile, instance role)."""
@@ -295,20 +347,21 @@ class S3TierConfig(_ByteTierSection):
     """Secret access key (see ``access_key_id``)."""
     ttl_s: PositiveFloat | None = None
     """Seconds after which lmtier treats an object as expired; None never."""
-    timeout_s: PositiveFloat = 2.0
+    timeout_s: Timeout = 2.0
     """Seconds an S3 call may go without an answer or a byte moving before it counts as
     a miss (a hung endpoint), the fixed part of every call's deadline, and botocore's
-    connect and read timeouts."""
+    connect and read timeouts (at most 3600)."""
     min_bytes_per_s: Size = 16 * 1024**2
     """Slowest transfer counted as healthy: a call's deadline is ``timeout_s`` plus its
     bytes at this rate (a 512-chunk load of 2 MiB chunks: 2 s + 64 s), so large
     batches are not lost on a busy machine; a hang still ends a call after ``timeout_s``.
     0: every call gets ``timeout_s``, whatever its size."""
-    lookup_key_s: PositiveFloat = 0.01
+    lookup_key_s: Annotated[Timeout, Field(le=MAX_LOOKUP_KEY_S)] = 0.01
     """Seconds added to a lookup's deadline per key asked about (one HEAD each,
-    ``max_concurrency`` at a time: moto on a loaded 2-core machine answers ~200/s)."""
-    max_concurrency: Count = 16
-    """S3 requests in flight at once."""
+    ``max_concurrency`` at a time: moto on a loaded 2-core machine answers ~200/s); at
+    most 1."""
+    max_concurrency: Annotated[Count, Field(le=MAX_CONNECTIONS)] = 16
+    """S3 requests in flight at once (at most 1024)."""
 
     def model_post_init(self, context: Any) -> None:
         if (self.access_key_id is None) != (self.secret_access_key is None):
@@ -381,6 +434,11 @@ class LMTierConfig(_Section):
     """``lmtier serve``: listener, security, shared host pool."""
     log_level: Annotated[str, _rule(_one_of(_LOG_LEVELS, ", ".join(_LOG_LEVELS)))] = "WARNING"
     """Level of lmtier's loggers: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)."""
+    close_flush_s: Wait = 30.0
+    """Seconds ``close()``, or the end of a program that did not call it, waits for
+    the background writes still queued to reach the tiers below host memory (at most
+    3600; 0: none). What is queued then is dropped, counted in ``queue_drops``, with
+    one warning."""
 
     @field_validator("hash_algorithm", mode="before")
     @classmethod

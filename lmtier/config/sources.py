@@ -241,7 +241,7 @@ def _build(settings: Mapping[str, Setting], env: Mapping[str, str] | None) -> LM
     nested: dict[str, Any] = {}
     for key, setting in settings.items():
         value = setting.value
-        if key in _OPTIONAL and isinstance(value, str) and not value.strip():
+        if key in _OPTIONAL and value == "":
             value = None  # LMTIER_REDIS__URL= unsets, as an empty value in a file does
         if key in _PATHS and isinstance(value, (str, Path)):
             value = _expand_home(Path(value) if str(value).strip() else value, env)

@@ -26,6 +26,9 @@ from lmtier.errors import ConfigError, brief
 
 __all__ = [
     "MAX_BYTES",
+    "MAX_COUNT",
+    "MAX_DURATION_S",
+    "MAX_TIMEOUT_S",
     "Bool",
     "Count",
     "Int",
@@ -36,11 +39,22 @@ __all__ = [
     "SecretUrl",
     "Size",
     "Text",
+    "Timeout",
+    "Wait",
     "config_error",
 ]
 
+# Upper bounds: a setting past them is a typo (or a unit mistaken), never intended,
+# and it would break things far from the config: a timeout of 1e308 s turns a hung
+# server into a hung call instead of a miss, a million I/O threads exhaust the process.
 MAX_BYTES = 1 << 60
 """Largest size any ``*_bytes`` setting may name (1 EiB): beyond it, a typo."""
+MAX_COUNT = 1 << 20
+"""Largest count (queue slots, sessions, keys per call) any setting may name."""
+MAX_TIMEOUT_S = 3600.0
+"""Longest timeout or wait any setting may name: an hour."""
+MAX_DURATION_S = 10 * 365 * 86400.0
+"""Longest duration (a TTL) any setting may name: ten years."""
 
 _BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
@@ -88,7 +102,19 @@ def _non_empty(value: str) -> str:
     return value
 
 
+def _not_blank(value: str) -> str:
+    """Empty is a value (the default, or none); spaces alone are a typo, and a NUL
+    byte fits no name, address or path (the OS would refuse it far from here)."""
+    if value and not value.strip():
+        raise ValueError(f"must not be blank, got {brief(value)}")
+    if "\0" in value:
+        raise ValueError(f"must not hold a NUL character, got {brief(value)}")
+    return value
+
+
 def _path(value: Any) -> Any:
+    if isinstance(value, (str, Path)) and "\0" in str(value):
+        raise ValueError(f"must not hold a NUL character, got {brief(str(value))}")
     if isinstance(value, str):
         if not value.strip():
             raise ValueError("must be a non-empty path")
@@ -96,31 +122,46 @@ def _path(value: Any) -> Any:
     return value
 
 
-def _wrap(kind: type[Secret] | type[SecretURL]) -> BeforeValidator:
-    return BeforeValidator(lambda value: kind(value) if isinstance(value, str) else value)
+def _secret(kind: type[Secret] | type[SecretURL]) -> BeforeValidator:
+    def wrap(value: Any) -> Any:
+        if isinstance(value, str):
+            if not value.strip():  # never quoted: a secret's value is not shown
+                raise ValueError("must not be blank")
+            return kind(value)
+        return value
+
+    return BeforeValidator(wrap)
 
 
 Bool = Annotated[bool, BeforeValidator(_bool)]
 Int = Annotated[int, _from_text(int), Strict()]
-PositiveFloat = Annotated[float, _from_text(float), Strict(), Field(gt=0.0, allow_inf_nan=False)]
-PinFraction = Annotated[float, _from_text(float), Strict(), Field(ge=0.0, le=0.9)]
+_Float = Annotated[float, _from_text(float), Strict(), Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[_Float, Field(gt=0.0, le=MAX_DURATION_S)]
+"""Seconds (a TTL, an interval): finite, > 0 and at most ``MAX_DURATION_S``."""
+Timeout = Annotated[_Float, Field(gt=0.0, le=MAX_TIMEOUT_S)]
+"""Seconds a call or a wait may take: > 0 and at most ``MAX_TIMEOUT_S``."""
+Wait = Annotated[_Float, Field(ge=0.0, le=MAX_TIMEOUT_S)]
+"""Seconds to wait for something before giving up: 0 (not at all) to ``MAX_TIMEOUT_S``."""
+PinFraction = Annotated[_Float, Field(ge=0.0, le=0.9)]
 """A part of a tier's capacity that pinned chunks may take: at most 0.9, so that
 pins never starve the cache of room for new chunks."""
-Text = Annotated[str, Strict()]
-NonEmptyText = Annotated[str, Strict(), AfterValidator(_non_empty)]
+Text = Annotated[str, Strict(), AfterValidator(_not_blank)]
+"""A string; empty, or holding more than spaces, and no NUL."""
+NonEmptyText = Annotated[Text, AfterValidator(_non_empty)]
 Size = Annotated[int, BeforeValidator(_size), Strict(), AfterValidator(_bytes_in_range)]
 """Bytes: an int, or a string like ``"8GiB"`` (see :mod:`lmtier.config.sizes`)."""
 PathValue = Annotated[Path, BeforeValidator(_path)]
 SecretText = Annotated[
-    Secret, _wrap(Secret), PlainSerializer(lambda s: s.reveal(), return_type=str)
+    Secret, _secret(Secret), PlainSerializer(lambda s: s.reveal(), return_type=str)
 ]
 SecretUrl = Annotated[
-    SecretURL, _wrap(SecretURL), PlainSerializer(lambda s: s.reveal(), return_type=str)
+    SecretURL, _secret(SecretURL), PlainSerializer(lambda s: s.reveal(), return_type=str)
 ]
 
 
-Count = Annotated[int, _from_text(int), Strict(), Field(ge=1)]
-"""An ``Int`` >= 1 (threads, connections, queue slots)."""
+Count = Annotated[int, _from_text(int), Strict(), Field(ge=1, le=MAX_COUNT)]
+"""An ``Int`` from 1 to ``MAX_COUNT`` (queue slots, sessions); fields of threads and
+connections bound it lower where they are declared."""
 
 
 # --- errors --------------------------------------------------------------------------
@@ -142,6 +183,8 @@ _EXPECTED = {
 
 
 def _number(value: object) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))  # 315360000, not 3.1536e+08
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -152,7 +195,12 @@ def describe(error: Mapping[str, Any], secret: bool = False) -> str:
     shown = type(value).__name__ if secret else brief(value)
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
-    bound = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">")}.get(kind)
+    bound = {
+        "greater_than_equal": ("ge", ">="),
+        "greater_than": ("gt", ">"),
+        "less_than_equal": ("le", "<="),
+        "less_than": ("lt", "<"),
+    }.get(kind)
     if bound is not None:
         limit = ctx[bound[0]]
         if isinstance(value, str):  # an env string: show it as it was read

@@ -74,7 +74,7 @@ from lmtier.storage.purging import (
 from lmtier.storage.reads import Reads
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
-from lmtier.storage.writes import BackgroundWrites
+from lmtier.storage.writes import CLOSE_FLUSH_S, BackgroundWrites
 
 __all__ = [
     "PURGE_FAILED",
@@ -404,13 +404,13 @@ class StorageManager:
         """Wait until every queued background write has been attempted."""
         await self.writes.flush()
 
-    async def close(self) -> None:
-        """Flush and stop the background writes (:meth:`BackgroundWrites.close`), let
-        abandoned calls finish their I/O (up to ``ABANDONED_WAIT_S``), close every tier.
-        Idempotent."""
+    async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Flush (up to ``flush_s``) and stop the background writes
+        (:meth:`BackgroundWrites.close`), let abandoned calls finish their I/O (up to
+        ``ABANDONED_WAIT_S``), close every tier. Idempotent."""
         if self._closed:
             return
-        await self.writes.close()
+        await self.writes.close(flush_s)
         with self.lock:
             self._closed = True
             self.memory.discard(list(self.memory.keys()))

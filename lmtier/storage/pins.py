@@ -40,13 +40,15 @@ class Pins:
     persisted: a tier re-adds them from its index when it opens (:meth:`restore`).
     """
 
-    __slots__ = ("_lock", "_nbytes", "_sizes", "limit_bytes", "path", "refused")
+    __slots__ = ("_lock", "_nbytes", "_sizes", "limit_bytes", "mode", "path", "refused")
 
-    def __init__(self, limit_bytes: int, path: str | None = None) -> None:
+    def __init__(self, limit_bytes: int, path: str | None = None, mode: int = 0o600) -> None:
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes must be >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self.path = path
+        self.mode = mode
+        """Permissions of the file, whatever the umask (the keys name cached prompts)."""
         self.refused = 0
         """Pins refused because they would pass ``limit_bytes``."""
         self._sizes: dict[ChunkKey, int] = {}
@@ -140,8 +142,11 @@ class Pins:
             return
         temp = f"{self.path}.{os.getpid()}.tmp"
         data = "".join(f"{key.hex()}\n" for key in self.snapshot())
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            with open(temp, "w", encoding="ascii") as stream:
+            fd = os.open(temp, flags, self.mode)
+            with open(fd, "w", encoding="ascii") as stream:
+                os.fchmod(fd, self.mode)  # the umask may have taken bits
                 stream.write(data)
             os.replace(temp, self.path)
         finally:

@@ -45,8 +45,9 @@ __all__ = ["CLOSE_FLUSH_S", "BackgroundWrites"]
 logger = logging.getLogger(__name__)
 
 CLOSE_FLUSH_S = 30.0
-"""How long :meth:`BackgroundWrites.close` waits for queued writes; what is still
-queued then is dropped (and counted). Call ``flush()`` first to wait for all."""
+"""How long :meth:`BackgroundWrites.close` waits for queued writes by default (the
+facade passes ``close_flush_s`` from its config); what is still queued then is
+dropped (and counted). Call ``flush()`` first to wait for all."""
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -245,15 +246,16 @@ class BackgroundWrites:
         """Wait until every queued write has been attempted."""
         await asyncio.gather(*(queue.join() for queue in self._queues.values()))
 
-    async def close(self) -> None:
-        """Flush (up to ``CLOSE_FLUSH_S``: a hung tier must not hold the process), stop
-        the writers, drop (and count) what is still queued. Idempotent."""
+    async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Flush (up to ``flush_s``: a hung tier must not hold the process), stop the
+        writers, drop (and count) what is still queued, with one warning. Idempotent."""
         if self._closed:
             return
         try:
-            await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
+            await asyncio.wait_for(self.flush(), flush_s)
+            gave_up = False
         except asyncio.TimeoutError:
-            logger.warning("close: writes still queued after %s s are dropped", CLOSE_FLUSH_S)
+            gave_up = True
         with self.lock:
             self._closed = True
         await asyncio.sleep(0)  # writes queued from other threads before now land first
@@ -262,9 +264,18 @@ class BackgroundWrites:
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers.clear()
         self.sealer.close()
+        dropped = 0
         with self.lock:
             for name, queue in self._queues.items():
                 while not queue.empty():
                     self.memory.release_write(queue.get_nowait().handle)
                     self.guards[name].tier.stats.queue_drops += 1
+                    dropped += 1
                 self._waiting[name] = 0
+        if gave_up:
+            logger.warning(
+                "close: writes not done after %g s (close_flush_s): %d queued write(s) "
+                "dropped (counted in queue_drops), the batches being sent abandoned",
+                flush_s,
+                dropped,
+            )

@@ -100,10 +100,13 @@ def test_chunk_files_get_the_configured_mode_whatever_the_umask(
     file_mode = int(mode, 8)
     dir_mode = file_mode | ((file_mode & 0o444) >> 2)
     key, data = make_chunk()
+    path = tmp_path / "new" / "chunks"  # disk.path and a parent the tier creates
+    before = stat.S_IMODE(tmp_path.stat().st_mode)
 
     async def scenario() -> DiskTier:
-        tier = await DiskTier.open(tmp_path / "chunks", GIB, file_mode=file_mode)
+        tier = await DiskTier.open(path, GIB, file_mode=file_mode)
         await tier.put([(key, data)])
+        assert await tier.pin([key]) == 1  # writes v1/pins
         await tier.close()
         return tier
 
@@ -112,11 +115,14 @@ def test_chunk_files_get_the_configured_mode_whatever_the_umask(
         tier = run(scenario)
     finally:
         os.umask(old)
-    root = tmp_path / "chunks" / "v1"
+    root = path / "v1"
     assert stat.S_IMODE(Path(tier.path_of(key)).stat().st_mode) == file_mode
-    for directory in (root, root / "tmp", Path(tier.path_of(key)).parent):
+    # disk.path and its new parent were 0755, v1/pins 0644 (the umask's modes).
+    for directory in (tmp_path / "new", path, root, root / "tmp", Path(tier.path_of(key)).parent):
         assert stat.S_IMODE(directory.stat().st_mode) == dir_mode, directory
-    assert stat.S_IMODE((root / "ledger").stat().st_mode) == file_mode
+    for file in (root / "ledger", root / "pins"):
+        assert stat.S_IMODE(file.stat().st_mode) == file_mode, file
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == before  # not ours: left alone
 
 
 def test_directories_of_an_older_install_are_made_private(tmp_path: Path) -> None:
@@ -170,10 +176,76 @@ def test_three_processes_keep_a_shared_directory_within_capacity(tmp_path: Path)
     ]
     for process in processes:
         assert process.wait(timeout=120) == 0
-    # Each writer evicts after its own batch lands; with all done, the directory is
-    # within capacity plus at most one batch per process (written at the same time).
+    # Each writer makes room for its wave before writing it (disk/sharing.py); what
+    # can pass capacity is the ledger's drift while they open at once (an open resets
+    # it, missing the waves in flight) and a wave written with nothing left to evict.
     assert chunk_bytes_on_disk(tmp_path) <= capacity + 3 * 4 * CHUNK_LEN
     assert chunk_bytes_on_disk(tmp_path) >= capacity // 2
+
+
+_SHARER = """
+import asyncio, sys
+from lmtier.testing import make_chunk
+from lmtier_backends.disk.tier import DiskTier
+
+async def main():
+    tier = await DiskTier.open(sys.argv[1], int(sys.argv[2]), fsync=False)
+    print("open", flush=True)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        seed, count = map(int, line.split())
+        print(await tier.put([make_chunk(seed=seed + i) for i in range(count)]), flush=True)
+    await tier.close()
+
+asyncio.run(main())
+"""
+
+
+def test_processes_sharing_a_directory_never_hold_more_than_its_capacity(tmp_path: Path) -> None:
+    """Three processes open one empty directory, so none knows the files the others
+    write; the test has them write in turn and measures the bytes on disk after
+    every put. Each wave used to be counted in the shared ledger only once it had
+    landed: a process that knew no file to evict wrote a whole wave into the full
+    directory (41 chunks in a directory of 40 after the second put, 1.10x with
+    three processes writing at once). Now the wave is counted first and the writer
+    adopts and evicts the others' files before it writes (disk/sharing.py)."""
+    capacity = 40 * CHUNK_LEN
+    sharers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARER, str(tmp_path), str(capacity)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    try:
+        for sharer in sharers:
+            assert sharer.stdout is not None and sharer.stdout.readline() == "open\n"
+        # One fills the directory; then each in turn stores one or three chunks.
+        steps = [(0, 0, 40)] + [
+            (who, 1000 * step + 100 * who, 1 + 2 * (step % 2))
+            for step in range(1, 5)
+            for who in (1, 2, 0)
+        ]
+        peak = 0
+        for who, seed, count in steps:
+            sharer = sharers[who]
+            assert sharer.stdin is not None and sharer.stdout is not None
+            sharer.stdin.write(f"{seed} {count}\n")
+            sharer.stdin.flush()
+            assert int(sharer.stdout.readline()) == count
+            peak = max(peak, chunk_bytes_on_disk(tmp_path))
+    finally:
+        for sharer in sharers:
+            assert sharer.stdin is not None
+            sharer.stdin.close()
+        codes = [sharer.wait(timeout=120) for sharer in sharers]
+        for sharer in sharers:
+            assert sharer.stdout is not None
+            sharer.stdout.close()
+    assert codes == [0, 0, 0]
+    assert peak == capacity, f"peak {peak / capacity:.3f}x the capacity"
 
 
 def test_a_writer_over_capacity_adopts_and_evicts_files_it_did_not_write(tmp_path: Path) -> None:

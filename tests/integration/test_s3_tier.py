@@ -289,8 +289,10 @@ def test_open_missing_bucket_is_a_clear_config_error(endpoint: str) -> None:
 
 def test_open_unreachable_endpoint_names_it(s3_credentials: None) -> None:  # noqa: F811
     port = free_port()  # nobody listens there
-    with pytest.raises(BackendError, match=f"'b' at http://127.0.0.1:{port} cannot be reached"):
-        run(S3Tier.open, "b", endpoint_url=f"http://127.0.0.1:{port}", timeout_s=0.5)
+    with pytest.raises(
+        BackendError, match=f"'lmtier-b' at http://127.0.0.1:{port} cannot be reached"
+    ):
+        run(S3Tier.open, "lmtier-b", endpoint_url=f"http://127.0.0.1:{port}", timeout_s=0.5)
 
 
 def test_open_tier_from_config(endpoint: str, prefix: str) -> None:

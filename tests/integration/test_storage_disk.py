@@ -217,3 +217,46 @@ def test_write_queues_never_hold_more_than_half_the_host_pool(tmp_path: Path) ->
         slabs = cache.host_memory().slabs
         assert slabs <= 16  # one store batch: its chunks are queued in one go
         assert cache.store(list(range(slabs * CHUNK)), kv_for(slabs * CHUNK)) == slabs // 2
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys, torch
+from pathlib import Path
+from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.config import CPUTierConfig, DiskTierConfig
+chunk, count = int(sys.argv[2]), int(sys.argv[3])
+spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
+slab = spec.encoded_chunk_bytes(chunk) + 4096
+cfg = LMTierConfig(
+    chunk_size=chunk,
+    cpu=CPUTierConfig(capacity_bytes=2 * count * slab),  # the write queue: half the pool
+    disk=DiskTierConfig(path=Path(sys.argv[1]), queue_depth=count),
+)
+cache = LMTier.open(cfg, kv=spec, model_id="m")
+tokens = list(range(count * chunk))
+print(cache.store(tokens, torch.randn(spec.shape(count * chunk))), flush=True)
+# No close(), no flush(): the interpreter exits with the writes still queued.
+"""
+
+
+def test_an_exit_without_close_writes_every_chunk_stored(tmp_path: Path) -> None:
+    # Interpreter exit stops concurrent.futures' pools before atexit handlers run; the
+    # queued writes used to fail ("cannot schedule new futures after shutdown") and
+    # only 1-176 of 240 chunks reached the disk. 2048 chunks: far more than the writer
+    # can write between store() returning and the exit, so the old code lost some in
+    # every run.
+    count = 2048
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path / "disk"), str(CHUNK), str(count)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, str(count)), done.stderr
+    assert "cannot schedule new futures" not in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert len(list((tmp_path / "disk" / "v1").glob("??/*.lmtc"))) == count
+    tokens = list(range(count * CHUNK))
+    with LMTier.open(config(tmp_path / "disk"), kv=SPEC, model_id="m") as cache:
+        assert cache.lookup(tokens).tokens_by_tier(CHUNK) == {"disk": count * CHUNK}

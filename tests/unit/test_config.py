@@ -126,7 +126,7 @@ redis:
   url: redis://cache:6379/0
   ttl_s: 3600
   refresh_ttl_on_hit: true
-s3: {bucket: kv, region: eu-west-1, endpoint_url: "http://minio:9000"}
+s3: {bucket: kv-cache, region: eu-west-1, endpoint_url: "http://minio:9000"}
 """,
     )
     cfg = load_config(path, env=env)
@@ -146,7 +146,7 @@ s3: {bucket: kv, region: eu-west-1, endpoint_url: "http://minio:9000"}
     assert isinstance(cfg.redis.ttl_s, float)
     assert cfg.redis.refresh_ttl_on_hit is True
     assert (cfg.s3.bucket, cfg.s3.region, cfg.s3.endpoint_url) == (
-        "kv",
+        "kv-cache",
         "eu-west-1",
         "http://minio:9000",
     )
@@ -383,7 +383,7 @@ def test_direct_construction_is_validated() -> None:
         CPUTierConfig(capacity_bytes=-1)
     with pytest.raises(ConfigError, match=r"^disk\.io_threads: must be an integer"):
         DiskTierConfig(path=Path("/x"), io_threads=4.5)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"^s3\.bucket: must not be empty"):
+    with pytest.raises(ConfigError, match=r"^s3\.bucket: must not be blank"):
         S3TierConfig(bucket="  ")
     with pytest.raises(ConfigError, match=r"^redis\.url: must be a URL string, got int$"):
         RedisTierConfig(url=6379)  # type: ignore[arg-type]
@@ -597,7 +597,7 @@ def test_lmcache_local_disk_bad_values(env: dict[str, str], value: Any) -> None:
         config_from_dict({"local_disk": value}, env=env)
 
 
-@pytest.mark.parametrize("value", ["lots", True, -1, float("nan")])
+@pytest.mark.parametrize("value", ["lots", True, -1, float("nan"), 1e308, "1e12"])
 def test_lmcache_sizes_bad_values(env: dict[str, str], value: Any) -> None:
     with pytest.raises(ConfigError, match=r"^max_local_cpu_size: must be a"):
         config_from_dict({"max_local_cpu_size": value}, env=env)
@@ -692,7 +692,7 @@ def secret_config_yaml() -> str:
 redis:
   url: "rediss://default:{REDIS_PASSWORD}@cache:6380/0?password={QUERY_TOKEN}&db=1"
 s3:
-  bucket: kv
+  bucket: kv-cache
   access_key_id: {AWS_KEY_ID}
   secret_access_key: {AWS_SECRET}
 """
@@ -732,7 +732,7 @@ def test_lmcache_remote_url_password_stays_out_of_logs(
 def test_secrets_from_env_are_wrapped_too(env: dict[str, str]) -> None:
     env |= {
         "LMTIER_REDIS__URL": f"redis://:{REDIS_PASSWORD}@h",
-        "LMTIER_S3__BUCKET": "kv",
+        "LMTIER_S3__BUCKET": "kv-cache",
         "LMTIER_S3__ACCESS_KEY_ID": AWS_KEY_ID,
         "LMTIER_S3__SECRET_ACCESS_KEY": AWS_SECRET,
     }

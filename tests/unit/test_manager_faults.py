@@ -216,3 +216,28 @@ def test_pacer_starts_small_follows_the_rate_and_halves_on_a_timeout() -> None:
     slow.succeeded(1_600_000, 1.0, 4)  # 1.6 MB/s: a batch should take 0.25 s
     assert slow.size(100_000, 500) == 4  # 400 kB per 0.25 s
     assert slow.size(10_000_000, 500) == 1  # one chunk is the least
+
+
+def test_close_waits_for_queued_writes_only_as_long_as_it_is_told(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # close_flush_s (the facade's) bounds the wait: at exit a hung tier must not hold
+    # the process. What is still queued then is dropped, counted, and said once.
+    async def body(manager: StorageManager, tier: GatedTier) -> None:
+        for seed in range(20):  # more than a first batch (INITIAL_CHUNKS): some stay queued
+            key, data = make_chunk(num_tokens=4, hidden=16, seed=10 + seed)
+            handle = manager.memory.acquire_slab()
+            assert handle is not None
+            handle.view[: len(data)] = data
+            assert manager.put(key, handle, len(data))
+        with caplog.at_level("WARNING", logger="lmtier.storage.writes"):
+            await manager.close(flush_s=0.0)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "not done after 0 s (close_flush_s)" in warnings[0]
+        dropped = int(warnings[0].split("): ")[1].split()[0])
+        assert dropped >= 20 - INITIAL_CHUNKS and tier.stats.queue_drops == dropped
+        tier.gate.set()  # the batch being sent gives its slabs back once its I/O ends
+        while manager.guards["slow"].abandoned:
+            await asyncio.sleep(0.01)
+
+    run(body, slabs=64)

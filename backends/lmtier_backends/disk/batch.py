@@ -121,6 +121,7 @@ async def write_batch(
     mode: int,
     durable: bool,
     ledger: Ledger,
+    reserved: int = 0,
 ) -> WrittenBatch:
     """Write each ``(final path, temp path, bytes)`` with :func:`~.io.write_file` on up to
     ``workers`` threads, then in one hop count the batch in ``ledger`` and, if
@@ -130,7 +131,8 @@ async def write_batch(
     ``ledger`` reset from a scan, if part of it was removed (:func:`~.layout.restore_dirs`);
     the whole batch is then written again: files that landed before the removal are
     gone, or are replaced and counted as such, so the ledger gains exactly the bytes of
-    what stands."""
+    what stands. ``reserved``: bytes of the batch the ledger counts already
+    (:mod:`~.sharing`); it gains only the difference (none of it survives a reset)."""
     write = functools.partial(write_file, direct=direct, mode=mode)
     outcomes = await fan_out(pool, workers, write, files)
     if any(isinstance(outcome, FileNotFoundError) for outcome in outcomes):
@@ -140,10 +142,13 @@ async def write_batch(
         except OSError:  # it cannot be recreated: the writes' own errors say why
             restored = False
         if restored:
+            reserved = 0  # the ledger was reset from a scan: the reservation went with it
             outcomes = await fan_out(pool, workers, write, files)
     placed = [isinstance(outcome, int) for outcome in outcomes]
     paths = [final for (final, _, _), ok in zip(files, placed, strict=True) if ok]
     added = sum(outcome for outcome, ok in zip(outcomes, placed, strict=True) if ok)
-    commit = functools.partial(commit_writes, root, paths, added, durable=durable, ledger=ledger)
+    commit = functools.partial(
+        commit_writes, root, paths, added - reserved, durable=durable, ledger=ledger
+    )
     total, problem = await finish(asyncio.get_running_loop().run_in_executor(pool, commit))
     return WrittenBatch(outcomes, placed, total, problem)

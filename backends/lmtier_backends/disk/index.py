@@ -24,13 +24,12 @@ Lookups on any thread (``contains_now``) adopt as well, since a scheduler proces
 only looks up and would otherwise re-stat the workers' files on every lookup; so index
 changes take a lock (uncontended, ~0.1 us), and adopting never evicts (unlinking off
 the loop would race its writes): the next put's reservation evicts down to capacity.
-Capacity holds for the directory, not per process: every write is counted in the
-shared ledger, and a writer that finds the directory over capacity evicts its own
-least recently used files (adopting the others' by a rate-limited rescan when its
-own do not suffice). Give every process sharing a directory the same
-``capacity_bytes``; the overshoot is bounded by the writes in flight at once (see
-the ledger). Temp files carry their writer's pid, so an opening process deletes
-only those of dead writers (or an hour old).
+Capacity holds for the directory, not per process: every wave is counted in the
+shared ledger before it is written, and its writer evicts its least recently used
+files, adopting the others' by a rate-limited rescan when its own do not suffice
+(:mod:`lmtier_backends.disk.sharing`, with the exact bound). Give every process
+sharing a directory the same ``capacity_bytes``. Temp files carry their writer's
+pid, so an opening process deletes only those of dead writers (or an hour old).
 
 :class:`RecentKeys` remembers keys found unservable for a while, so a file that can
 be neither read nor deleted is not adopted again at every lookup.

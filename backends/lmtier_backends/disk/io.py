@@ -189,8 +189,9 @@ def commit_writes(
     root: str, paths: Sequence[str], added: int, *, durable: bool, ledger: Ledger
 ) -> tuple[int, OSError | None]:
     """After a batch of :func:`write_file`: count the ``added`` bytes in ``ledger`` (one
-    update per batch) and, if ``durable``, :func:`make_durable` the files. Returns the
-    directory's byte total (-1 if not known) and the flush's error, if any."""
+    update per batch; negative when a reservation counted more than landed) and, if
+    ``durable``, :func:`make_durable` the files. Returns the directory's byte total (-1
+    if not known) and the flush's error, if any."""
     total = ledger.add(added) if added else ledger.total()
     try:
         if durable and paths:

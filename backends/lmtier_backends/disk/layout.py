@@ -13,10 +13,12 @@ Layout::
                                     (:mod:`lmtier_backends.disk.ledger`)
     <path>/v1/pins                  pinned keys, one per line (:mod:`lmtier.storage.pins`)
 
-Permissions: chunk files get the tier's ``file_mode`` (default 0600) and the
-directories under ``v1`` the matching search bits (0700), whatever the umask, and
-directories an older install made wider are narrowed at open: cached KV can reveal
-prompts, so other local users must not read it unless the deployment says so.
+Permissions: chunk files, the ledger and the pins file get the tier's ``file_mode``
+(default 0600) and the directories under ``v1`` the matching search bits (0700),
+whatever the umask, and directories an older install made wider are narrowed at
+open; so do ``disk.path`` and its parents when the tier creates them (existing ones
+are the deployment's): cached KV can reveal prompts, so other local users must not
+read it, nor see which prompts were cached, unless the deployment says so.
 
 Temp files live beside their chunk file, not in one shared directory: a rename
 within a directory needs no filesystem-wide rename lock, and creates spread over 256
@@ -144,11 +146,33 @@ def _chunk_dirs(root: str) -> tuple[str, ...]:
 
 def make_chunk_dirs(root: str, mode: int) -> None:
     """Create ``root`` with its shard and tmp directories, each with exactly ``mode``
-    (the umask cannot widen or narrow it; existing ones are changed too). Blocking."""
+    (the umask cannot widen or narrow it; existing ones are changed too), and the
+    directories above ``root`` that do not exist yet (``disk.path`` and its missing
+    parents) with ``mode`` too: ``os.makedirs`` gave those the umask's 0755. Blocking."""
+    _make_missing_parents(os.path.dirname(root), mode)
     for path in _chunk_dirs(root):
         os.makedirs(path, mode=mode, exist_ok=True)
         if stat.S_IMODE(os.stat(path).st_mode) != mode:
             os.chmod(path, mode)
+
+
+def _make_missing_parents(path: str, mode: int) -> None:
+    """Create ``path`` and its missing parents, each with exactly ``mode``. Directories
+    that exist are the deployment's (``/mnt/nvme``, ``~/.cache``) and are left alone."""
+    missing: list[str] = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue  # another process made it meanwhile (or a file is in the way: the
+            # next mkdir says so)
+        os.chmod(directory, mode)  # the umask may have taken bits
 
 
 def scan_chunk_dir(root: str) -> ScanResult:

@@ -3,22 +3,21 @@
 Several processes share one directory (vLLM's scheduler and workers, two engines, a
 warm-up job). Each keeps its own index of the files it knows, so capacity counted
 per process let three processes hold 2.6x ``capacity_bytes``. The ledger is one
-8-byte counter in ``<root>/ledger`` that every process updates when a file of its
-lands (+ its size, - the size of a file it replaced) and when it unlinks one
-(- the size), under ``flock`` (and a thread lock: flock does not exclude threads that
-share a descriptor). A writer that finds the directory over capacity evicts its own
-least recently used files (those it wrote or adopted) until it is not; when its own
-files do not cover the excess, it adopts the directory's other files (a rescan,
-rate-limited) and evicts those.
+8-byte counter in ``<root>/ledger`` that every process updates before it writes a
+wave (+ its bytes, a reservation), when the wave has landed (- what did not land,
+- the size of files it replaced) and when it unlinks a file (- its size), under
+``flock`` (and a thread lock: flock does not exclude threads that
+share a descriptor). A writer counts each wave here before writing it and evicts
+until the directory holds it within capacity (:mod:`lmtier_backends.disk.sharing`,
+which also says exactly what bound holds).
 
-The counter only moves on operations that succeeded on the filesystem, so two
-processes evicting the same file count it once (the second unlink finds nothing).
-It is set from a full scan at every open, and when a process recreates the
-directory after it was removed (every process then counts in the new file). A
-process that crashed between a rename and its update leaves it short by that file
-until then. Bytes on disk therefore stay within ``capacity_bytes`` plus the chunks
-being written at that moment by all processes, plus such crash drift until the next
-open.
+Apart from reservations, the counter only moves on operations that succeeded on the
+filesystem, so two processes evicting the same file count it once (the second
+unlink finds nothing). It is set from a full scan at every open, and when a process
+recreates the directory after it was removed (every process then counts in the new
+file). A process that crashed between a reservation and its correction leaves it
+high by that wave until then; a scan while others write misses their waves in
+flight, and leaves it short by those.
 
 One update is an flock, a pread and a pwrite of 8 bytes: a few microseconds, next
 to a chunk write's milliseconds.

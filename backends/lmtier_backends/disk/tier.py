@@ -19,7 +19,8 @@ survives a restart. Pinned chunks (:mod:`lmtier.storage.pins`, listed in
 Sharing a directory (a vLLM scheduler and its workers, two engines, a warm-up job):
 other processes' files are found on demand and adopted into the index; capacity holds
 for the directory, counted by every process in a shared ledger
-(:mod:`lmtier_backends.disk.ledger`). O_DIRECT (``o_direct=True``) is probed once at
+(:mod:`lmtier_backends.disk.ledger`) before each wave is written
+(:mod:`lmtier_backends.disk.sharing`). O_DIRECT (``o_direct=True``) is probed once at
 open; a filesystem that refuses it falls back to buffered I/O with one warning.
 
 Failures: any OSError is a miss (reads) or a chunk not stored (writes), counted in
@@ -43,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,10 +76,10 @@ from lmtier_backends.disk.layout import (
     explain_open_error,
     list_namespace,
     prepare,
-    scan_chunk_dir,
     temp_name,
 )
 from lmtier_backends.disk.ledger import Ledger
+from lmtier_backends.disk.sharing import SharedRoom
 
 __all__ = ["CLOSE_TIMEOUT_S", "DiskTier"]
 
@@ -89,8 +89,6 @@ CLOSE_TIMEOUT_S = 2.0
 """Longest :meth:`DiskTier.close` waits for writes and threads in flight."""
 UNSERVABLE_MEMORY_S = 60.0
 """How long a key found unservable (and not deletable) is not adopted again."""
-RESCAN_INTERVAL_S = 30.0
-"""Least time between two rescans that adopt other processes' files for eviction."""
 
 
 class DiskTier(Tier):
@@ -139,17 +137,28 @@ class DiskTier(Tier):
         """Entries under ``path`` found at open that are not ours (left alone)."""
         self.adopted_files = 0
         """Chunk files found after open (written by other processes) and indexed."""
-        self.pins = Pins(int(capacity_bytes * max_pinned_fraction), f"{self.root}/{PINS_NAME}")
+        pinned_bytes = int(capacity_bytes * max_pinned_fraction)
+        self.pins = Pins(pinned_bytes, f"{self.root}/{PINS_NAME}", file_mode)
         self._index = DiskIndex(capacity_bytes, self.pins)
         self._ledger = Ledger(self.root)
         self._unservable = RecentKeys(UNSERVABLE_MEMORY_S)
-        self._rescan: asyncio.Task[None] | None = None
-        self._last_rescan = -RESCAN_INTERVAL_S
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._writes: set[asyncio.Task[int]] = set()
         self._unlinks: dict[ChunkKey, asyncio.Future[tuple[int, list[OSError]]]] = {}
         self._landed_watch: dict[int, set[ChunkKey]] = {}  # per read call in flight
+        self._room = SharedRoom(
+            name,
+            self.root,
+            capacity_bytes,
+            self._index,
+            self._ledger,
+            stats=self.stats,
+            failures=self._failures,
+            unlink=self._unlink,
+            unlinking=self._unlinks,
+            on_adopted=self._count_adopted,
+        )
 
     async def start(self) -> None:
         """Create the directories, delete crash debris, rebuild the index, start the pool.
@@ -346,17 +355,26 @@ class DiskTier(Tier):
         pending = {id(f): f for key, _ in writes if (f := self._unlinks.get(key))}
         if pending:
             await asyncio.wait(pending.values())
+        # Counted in the shared ledger before a byte is written, so that processes
+        # sharing the directory make room for each other's waves (disk/sharing.py).
+        keys = {k for k, _ in writes}
+        reserved = await self._room.make(pool, sum(len(v) for _, v in writes), keys)
         files = [(self.path_of(k), self._temp_path(k), v) for k, v in writes]
-        done = await write_batch(
-            pool,
-            self.io_threads,
-            files,
-            root=self.root,
-            direct=self.direct_io,
-            mode=self.file_mode,
-            durable=self.fsync,
-            ledger=self._ledger,
-        )
+        try:
+            done = await write_batch(
+                pool,
+                self.io_threads,
+                files,
+                root=self.root,
+                direct=self.direct_io,
+                mode=self.file_mode,
+                durable=self.fsync,
+                ledger=self._ledger,
+                reserved=reserved,
+            )
+        except BaseException:
+            self._room.release(reserved)  # the batch never reached its count
+            raise
         if done.problem is not None:  # not durable as promised: not stored, and not kept
             self._count_error("sync", done.problem)
             self.stats.errors += sum(done.placed) - 1
@@ -382,42 +400,13 @@ class DiskTier(Tier):
                 bug = bug or result
         self.stats.puts += stored
         if done.total > self.capacity_bytes:
-            await self._shrink(pool, done.total - self.capacity_bytes, {k for k, _ in writes})
+            await self._room.shrink(pool, done.total - self.capacity_bytes, keys)
         if bug is not None:
             raise bug
         return stored
 
-    async def _shrink(self, pool: ThreadPoolExecutor, excess: int, written: set[ChunkKey]) -> None:
-        """The directory holds ``excess`` bytes beyond capacity (other processes wrote
-        too): evict our least recently used files, never the ones just ``written``; if
-        they are not enough, rescan the directory to adopt the others' (rate-limited),
-        for the next write to evict."""
-        victims = self._index.evict_excess(excess, keep=written)
-        self.stats.evictions += len(victims)
-        if victims:
-            await self._unlink(pool, [key for key, _ in victims])
-        covered = sum(size for _, size in victims)
-        now = time.monotonic()
-        if (
-            covered < excess
-            and self._rescan is None
-            and now - self._last_rescan > RESCAN_INTERVAL_S
-        ):
-            self._last_rescan = now
-            self._rescan = asyncio.ensure_future(self._adopt_directory(pool))
-
-    async def _adopt_directory(self, pool: ThreadPoolExecutor) -> None:
-        try:
-            scan = await asyncio.get_running_loop().run_in_executor(pool, scan_chunk_dir, self.root)
-            adopted = self._index.adopt_oldest(
-                (key, size) for key, size in scan.entries if key not in self._unlinks
-            )
-            self.adopted_files += adopted
-            logger.info("%s: over capacity; adopted %d other processes' files", self.name, adopted)
-        except (OSError, RuntimeError) as exc:  # RuntimeError: the pool shut down meanwhile
-            self._count_error("rescan", exc if isinstance(exc, OSError) else OSError(str(exc)))
-        finally:
-            self._rescan = None
+    def _count_adopted(self, count: int) -> None:
+        self.adopted_files += count
 
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         # A write of the same key already in flight may land before or after the
@@ -480,8 +469,7 @@ class DiskTier(Tier):
         self._closed = True
         if pool is None:
             return
-        if self._rescan is not None:
-            self._rescan.cancel()
+        self._room.close()
         if self._writes:
             await asyncio.wait(set(self._writes), timeout=CLOSE_TIMEOUT_S)
         await shutdown_pool(pool, f"{self.name} tier", CLOSE_TIMEOUT_S)
