@@ -28,6 +28,7 @@ from lmtier.config.types import (
     SecretUrl,
     Size,
     Text,
+    Timeout,
 )
 from lmtier.errors import ConfigError, brief
 
@@ -122,6 +123,12 @@ def _entries(value: Any) -> Any:
 
 
 def _checked_entries(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value:
+        raise ConfigError(
+            "peer.allowed_peers: name at least one network or host (a node that should "
+            "dial no peer does not enable the peer tier)",
+            key="peer.allowed_peers",
+        )
     try:
         AddressPolicy.parse(value)
     except ValueError as exc:
@@ -175,7 +182,7 @@ class PeerConfig(Section):
     for a domain's names) for the others. An address the directory names outside them
     is never dialled (whoever can write the shared Redis could name any). In YAML a
     list; in ``LMTIER_PEER__ALLOWED_PEERS`` entries separated by commas."""
-    proof_window_s: PositiveFloat = 120.0
+    proof_window_s: Timeout = 120.0
     """How far a peer call's time stamp may be from this node's clock (its proof is
     refused beyond): the nodes' clocks must agree to within it."""
     tls_cert_file: PathValue | None = None
@@ -197,7 +204,7 @@ class PeerConfig(Section):
     publish_interval_s: PositiveFloat = 0.5
     """How often the CPU tier's contents are compared with what was published (new
     chunks published, evicted ones withdrawn)."""
-    timeout_s: PositiveFloat = 1.0
+    timeout_s: Timeout = 1.0
     """Seconds a peer call may go without moving a byte before it counts as failed."""
     min_bytes_per_s: Size = 64 * 1024**2
     """Slowest fetch rate still counted as healthy (a call's deadline grows with its bytes)."""

@@ -48,7 +48,7 @@ def _leaves(model: type[BaseModel], path: tuple[str, ...] = ()) -> Iterator[tupl
     for name, field in model.model_fields.items():
         kind = _base(field.annotation)
         if typing.get_origin(kind) is tuple:  # extra_tiers: a list of sections
-            kind = typing.get_args(kind)[0]
+            kind = _base(typing.get_args(kind)[0])
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             yield from _leaves(kind, (*path, name))
         else:
@@ -60,8 +60,8 @@ def _kind(path: tuple[str, ...]) -> Any:
     kind: Any = None
     for name in path:
         kind = _base(model.model_fields[name].annotation)
-        if typing.get_origin(kind) is tuple:
-            kind = typing.get_args(kind)[0]
+        if typing.get_origin(kind) is tuple:  # a list of sections, or of strings
+            kind = _base(typing.get_args(kind)[0])
         model = kind
     if typing.get_origin(kind) is Literal:
         return str
