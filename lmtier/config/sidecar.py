@@ -9,7 +9,16 @@ from typing import ClassVar
 from pydantic import model_validator
 
 from lmtier.config.section import Section
-from lmtier.config.types import Bool, Count, PathValue, PositiveFloat, SecretText, Size, Text
+from lmtier.config.types import (
+    Bool,
+    Count,
+    PathValue,
+    PositiveFloat,
+    SecretText,
+    Share,
+    Size,
+    Text,
+)
 
 __all__ = ["DEFAULT_SLAB_BYTES", "SidecarConfig"]
 
@@ -60,6 +69,15 @@ class SidecarConfig(Section):
     """On SIGTERM: seconds to finish in-flight calls and flush write queues."""
     max_sessions: Count = 4096
     """Open sessions at once (one per client process and namespace)."""
+    token_share: Share | None = None
+    """The part of ``max_sessions``, and of the pool's slabs, that one token may hold
+    at once (leases, and the slabs its streaming calls hold). Empty: an equal share,
+    1 / the number of configured tokens, so that every token always gets its share
+    whatever the others hold (no token, or one: all of it)."""
+    stream_stall_s: PositiveFloat = 10.0
+    """Seconds a streaming call may stop moving chunk bytes (a ``StoreStream`` between
+    two pieces of a chunk, a ``LoadStream`` whose reader stops reading) before the
+    slabs it holds are reclaimed: the chunk is dropped, the load ends there."""
     max_message_bytes: Size = 8 * 1024**2
     """The largest gRPC message accepted (bigger ones: RESOURCE_EXHAUSTED)."""
     stream_piece_bytes: Size = 4 * 1024**2

@@ -106,6 +106,8 @@ PositiveFloat = Annotated[float, _from_text(float), Strict(), Field(gt=0.0, allo
 PinFraction = Annotated[float, _from_text(float), Strict(), Field(ge=0.0, le=0.9)]
 """A part of a tier's capacity that pinned chunks may take: at most 0.9, so that
 pins never starve the cache of room for new chunks."""
+Share = Annotated[float, _from_text(float), Strict(), Field(gt=0.0, le=1.0)]
+"""A part of a resource one caller may hold (more than 0, at most 1: all of it)."""
 Text = Annotated[str, Strict()]
 NonEmptyText = Annotated[str, Strict(), AfterValidator(_non_empty)]
 Size = Annotated[int, BeforeValidator(_size), Strict(), AfterValidator(_bytes_in_range)]

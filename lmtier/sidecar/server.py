@@ -45,6 +45,7 @@ from lmtier.sidecar.namespaces import NamespaceCheck
 from lmtier.sidecar.peer import PeerServer
 from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
+from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import lenient
 from lmtier.storage.cpu_tier import open_memory_tier
@@ -119,7 +120,11 @@ class Sidecar:
             raise
         self._manager = manager
         await self._open_peer(manager)
-        sessions = Sessions(max_sessions=side.max_sessions, lease_ttl_s=side.lease_ttl_s)
+        sessions = Sessions(
+            max_sessions=side.max_sessions,
+            lease_ttl_s=side.lease_ttl_s,
+            shares=self._shares(pool.num_slabs),
+        )
         parts = Parts(config, manager, pool, check, sessions, self.auth, self.metrics, self.shm)
         self.service = service = SidecarService(parts)
         self._pool = pool
@@ -140,6 +145,27 @@ class Sidecar:
             pool.slab_bytes,
             ", shared memory" if offer_shm else "",
         )
+
+    def _shares(self, num_slabs: int) -> Shares:
+        """What one token may hold (:mod:`.shares`): ``sidecar.token_share``, else an
+        equal share of the sessions and slabs for each token."""
+        side = self.config.sidecar
+        callers = self.auth.num_principals
+        share = side.token_share if side.token_share is not None else 1 / callers
+        shares = Shares.of(share, max_sessions=side.max_sessions, num_slabs=num_slabs)
+        if callers > 1:
+            logger.info(
+                "each of %d tokens may hold %d sessions and %d of %d slabs%s",
+                callers,
+                shares.sessions_each,
+                shares.slabs_each,
+                num_slabs,
+                " (sidecar.token_share is more than an equal share: together they can "
+                "take them all, and a token may find none left)"
+                if share * callers > 1 + 1e-9
+                else "",
+            )
+        return shares
 
     async def _open_peer(self, manager: StorageManager) -> None:
         """With ``peer.listen``: serve this node's CPU tier to other nodes

@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 import pytest
 import torch
-import yaml
 from sidecar_helpers import (
     CALL_TIMEOUT_S,
+    TENANT_MODEL,
     Metadata,
     Session,
     TcpSidecar,
@@ -39,7 +39,9 @@ from sidecar_helpers import (
     open_session,
     pieces,
     store_stream,
+    tenant,
     wait_for,
+    write_tokens,
 )
 
 from lmtier import KVSpec, LMTier, LMTierConfig
@@ -58,7 +60,7 @@ REPLICA_1 = "replica-1-" + secrets.token_hex(16)
 REPLICA_2 = "replica-2-" + secrets.token_hex(16)
 WRONG = "wrong-" + secrets.token_hex(16)
 """Tokens are random per run, so that finding one in a log is never a coincidence."""
-MODEL = "shared/model"
+MODEL = TENANT_MODEL
 HUGE = {"num_layers": 1 << 20, "num_kv_heads": 1 << 20, "head_dim": 1 << 20}
 SMALL = {
     "cpu": {"capacity_bytes": "64KiB", "staging_bytes": "32KiB"},
@@ -76,20 +78,18 @@ def settings(**sidecar: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     folder = tmp_path_factory.mktemp("secured")
-    tokens = folder / "tokens.yaml"
-    tokens.write_text(
-        yaml.safe_dump(
-            [
-                {"token": TENANT_A, "name": "tenant-a", "models": [MODEL], "salts": ["salt-a"]},
-                {"token": TENANT_B, "name": "tenant-b", "models": [MODEL], "salts": ["salt-b"]},
-                # Two tokens of one service (same name, same scope), e.g. two replicas.
-                {"token": REPLICA_1, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
-                {"token": REPLICA_2, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
-            ]
-        )
+    tokens = write_tokens(
+        folder,
+        [
+            {"token": TENANT_A, "name": "tenant-a", "models": [MODEL], "salts": ["salt-a"]},
+            {"token": TENANT_B, "name": "tenant-b", "models": [MODEL], "salts": ["salt-b"]},
+            # Two tokens of one service (same name, same scope), e.g. two replicas.
+            {"token": REPLICA_1, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
+            {"token": REPLICA_2, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
+        ],
     )
-    tokens.chmod(0o600)
     config = settings(auth_token=ADMIN, tokens_file=str(tokens))
+    config["cpu"]["capacity_bytes"] = "128KiB"  # 10 slabs: 2 each for the 5 tokens
     with SidecarProcess(folder, config, args=["--log-level", "DEBUG"]) as process:
         yield process
 
@@ -104,11 +104,6 @@ def stub(secured: SidecarProcess) -> Iterator[pb_grpc.SidecarStub]:
 def admin(stub: pb_grpc.SidecarStub) -> Iterator[Session]:
     with open_session(stub, metadata=bearer(ADMIN), client_name="admin") as session:
         yield session
-
-
-def tenant(stub: pb_grpc.SidecarStub, token: str, salt: str, **kw: Any) -> Session:
-    space = namespace(model_id=MODEL, cache_salt=salt)
-    return open_session(stub, space, metadata=bearer(token), **kw)
 
 
 BAD_METADATA: dict[str, Metadata] = {
