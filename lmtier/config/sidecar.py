@@ -41,6 +41,10 @@ class SidecarConfig(Section):
     allow_remote: Bool = False
     """Let a TCP listener bind an address other than loopback. A token is then
     required (``auth_token``, ``auth_token_file`` or ``tokens_file``)."""
+    allow_tcp_without_token: Bool = False
+    """Let a loopback TCP listener take calls without a token (logged as a warning at
+    every start). Off, a TCP listener needs a token: every user of the machine can
+    dial loopback, and without one reads and writes every tenant's KV."""
     metrics_listen: Text = ""
     """``host:port`` of the Prometheus ``/metrics`` endpoint (empty: none)."""
     auth_token: SecretText | None = None

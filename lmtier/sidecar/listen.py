@@ -202,12 +202,17 @@ def default_listen(env: Mapping[str, str]) -> str:
 
 def check_policy(address: ListenAddress, sidecar: SidecarConfig, auth: Authenticator) -> None:
     """Refuse a TCP listener that other machines can reach unless ``sidecar.allow_remote``
-    is set and ``auth`` requires a token; warn when such a listener has no TLS.
+    is set and ``auth`` requires a token; warn when such a listener has no TLS. Refuse
+    a loopback TCP listener without a token unless ``sidecar.allow_tcp_without_token``
+    (then warn): unlike a unix socket (0600), loopback is open to every local user.
 
     ``localhost`` and loopback addresses are local; ``0.0.0.0`` and ``::`` (every
     interface) are not; another host name is local when all its addresses are.
     """
-    if address.kind == "unix" or address.loopback or _resolves_to_loopback(address.host):
+    if address.kind == "unix":
+        return
+    if address.loopback or _resolves_to_loopback(address.host):
+        _check_local_tcp(address, sidecar, auth)
         return
     missing = []
     if not sidecar.allow_remote:
@@ -226,6 +231,24 @@ def check_policy(address: ListenAddress, sidecar: SidecarConfig, auth: Authentic
             "set sidecar.tls_cert_file and sidecar.tls_key_file",
             address,
         )
+
+
+def _check_local_tcp(address: ListenAddress, sidecar: SidecarConfig, auth: Authenticator) -> None:
+    if auth.required:
+        return
+    if not sidecar.allow_tcp_without_token:
+        raise ConfigError(
+            f"{_KEY}: {address} needs a token: every user of this machine can connect to "
+            "a TCP port, loopback too; configure one (sidecar.auth_token_file or "
+            "sidecar.tokens_file), listen on a unix socket, or set "
+            "sidecar.allow_tcp_without_token: true",
+            key=_KEY,
+        )
+    logger.warning(
+        "sidecar.allow_tcp_without_token: %s takes calls without a token: every user of "
+        "this machine can read and write every tenant's KV through it",
+        address,
+    )
 
 
 def _resolves_to_loopback(host: str) -> bool:
