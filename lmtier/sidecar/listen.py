@@ -50,6 +50,7 @@ that need no token hold the sidecar's descriptors that long."""
 # sun_path holds 108 bytes on Linux (104 on macOS), the final NUL included.
 _MAX_SOCKET_PATH = 103 if sys.platform == "darwin" else 107
 _HOSTNAME = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
 _KEY = "sidecar.listen"
 
 
@@ -170,6 +171,14 @@ def _parse_tcp(text: str, key: str) -> ListenAddress:
             )
         if not _is_ipv4(host) and not _HOSTNAME.match(host):
             raise ConfigError(f"{key}: {brief(host)} is not a host name or address", key=key)
+        if not _is_ipv4(host) and _NUMERIC_LABEL.fullmatch(host.rstrip(".").rsplit(".", 1)[-1]):
+            # A name's last label is never a number: this is an address in a short or
+            # hex form (127.1, 0x7f.1), which the resolver accepts and gRPC does not.
+            raise ConfigError(
+                f"{key}: {brief(host)} is not an IPv4 address; write four numbers "
+                "from 0 to 255 (127.0.0.1)",
+                key=key,
+            )
     if not port_text.isdigit() or not port_text.isascii() or int(port_text) > 65535:
         raise ConfigError(
             f"{key}: port {brief(port_text)} must be a number from 0 to 65535", key=key

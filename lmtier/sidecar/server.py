@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lmtier.chunks.integrity import load_key
 from lmtier.config import LMTierConfig
+from lmtier.errors import ConfigError
 from lmtier.sidecar.auth import Authenticator, server_credentials
 from lmtier.sidecar.lane import LaneServer, lane_path
 from lmtier.sidecar.listen import (
@@ -128,7 +129,11 @@ class Sidecar:
         parts = Parts(config, manager, pool, check, sessions, self.auth, self.metrics, self.shm)
         self.service = service = SidecarService(parts)
         self._pool = pool
-        await self._serve(service)
+        try:
+            await self._serve(service)
+        except BaseException:
+            await self._abandon_start()
+            raise
         self.metrics.set_sources(
             tiers=lambda: {t.name: t.stats for t in (manager.memory, *manager.tiers)},
             extra=lambda: _queue_depths(manager),
@@ -145,6 +150,16 @@ class Sidecar:
             pool.slab_bytes,
             ", shared memory" if offer_shm else "",
         )
+
+    async def _abandon_start(self) -> None:
+        """Undo a start that failed once the tiers were open (the listener would not
+        bind): close them, and leave no pool file behind."""
+        if self._peer is not None:
+            await self._peer.stop(None)
+        if self._manager is not None:
+            await self._manager.close()
+        self._pool.close()
+        self._drop_shm()
 
     def _shares(self, num_slabs: int) -> Shares:
         """What one token may hold (:mod:`.shares`): ``sidecar.token_share``, else an
@@ -219,10 +234,17 @@ class Sidecar:
         old_umask = os.umask(0o177)  # the socket is born owner-only, no window
         try:
             target = address.grpc_target
-            if credentials is None:
-                self.port = server.add_insecure_port(target)
-            else:
-                self.port = server.add_secure_port(target, credentials)
+            try:
+                if credentials is None:
+                    self.port = server.add_insecure_port(target)
+                else:
+                    self.port = server.add_secure_port(target, credentials)
+            except RuntimeError:  # grpc's only word for it: "Failed to bind to address"
+                raise ConfigError(
+                    f"sidecar.listen: cannot listen on {target} (in use, or not an address "
+                    "of this machine)",
+                    key="sidecar.listen",
+                ) from None
             await server.start()
         finally:
             os.umask(old_umask)

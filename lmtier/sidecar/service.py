@@ -22,7 +22,7 @@ from lmtier import __version__
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
-from lmtier.errors import CapacityError, InvalidRequestError
+from lmtier.errors import CapacityError, InvalidRequestError, brief
 from lmtier.sidecar.auth import Authenticator, Principal
 from lmtier.sidecar.calls import InFlight, answer, session_stream, streaming, unary
 from lmtier.sidecar.holds import StreamHold
@@ -32,6 +32,7 @@ from lmtier.sidecar.namespaces import (
     MAX_KEYS,
     NamespaceCheck,
     SessionSpace,
+    check_unique,
     check_written,
     parse_keys,
 )
@@ -109,7 +110,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         space = SessionSpace.from_wire(request.namespace)
         if not principal.allows(space.namespace.model_id, space.namespace.cache_salt):
             raise PermissionError(
-                f"{principal.name} may not use model {space.namespace.model_id!r} under "
+                f"{principal.name} may not use model {brief(space.namespace.model_id)} under "
                 "this cache salt"
             )
         slab_bytes = self.parts.pool.slab_bytes
@@ -129,11 +130,12 @@ class SidecarService(pb_grpc.SidecarServicer):
         except BaseException:
             self.parts.check.unregister(space)  # refused (max_sessions): not live
             raise
+        # Client-chosen strings are cut: one session must not write megabytes of log.
         logger.info(
             "session opened: %s (%s), model %s, rank %d/%d, %s",
-            request.client_name or "unnamed client",
+            brief(request.client_name) if request.client_name else "unnamed client",
             principal.name,
-            space.namespace.model_id,
+            brief(space.namespace.model_id),
             space.namespace.tp_rank,
             space.namespace.tp_size,
             "shared memory" if shm is not None else "streaming",
@@ -147,7 +149,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             released = self.parts.sessions.close(session)
             self.parts.check.unregister(space)
             logger.info(
-                "session closed: %s, %d lease(s) released", request.client_name or "?", released
+                "session closed: %s, %d lease(s) released", brief(request.client_name), released
             )
 
     def _info(self, session: Session, shm: SharedRegion | None) -> pb.SessionInfo:
@@ -210,9 +212,12 @@ class SidecarService(pb_grpc.SidecarServicer):
         return reply
 
     def _load_keys(self, session: Session, request: pb.LoadRequest) -> list[ChunkKey]:
-        """The keys a Load or LoadStream asks for (the leases it returns released first)."""
+        """The keys a Load or LoadStream asks for, each once (the leases it returns
+        released first)."""
         self.parts.sessions.release(session, request.release)
-        return self._keys(session, request)
+        keys = self._keys(session, request)
+        check_unique(keys)
+        return keys
 
     def _given_lookup(self, request: pb.LoadRequest, num_keys: int) -> Found | None:
         """The request's lookup spans if they are well formed (contiguous from chunk 0,

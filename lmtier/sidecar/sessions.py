@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from lmtier.errors import CapacityError, LMTierError
+from lmtier.errors import CapacityError, LMTierError, brief
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.namespaces import SessionSpace
 from lmtier.sidecar.shares import Shares
@@ -222,7 +222,7 @@ class Sessions:
             reaped += self.release(session, late)
             logger.warning(
                 "session of %s held %d slab(s) past their %.0f s lease: reclaimed",
-                session.client_name or "a client",
+                brief(session.client_name) if session.client_name else "a client",
                 len(late),
                 self.lease_ttl_s,
             )

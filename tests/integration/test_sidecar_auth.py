@@ -451,6 +451,32 @@ def test_a_loopback_tcp_listener_needs_a_token_or_a_logged_setting(tmp_path: Pat
         assert_unharmed(sidecar)
 
 
+@pytest.mark.parametrize("address", ["127.1:0", "busy"])
+def test_a_listen_address_that_cannot_be_bound_is_a_one_line_error(
+    tmp_path: Path, address: str
+) -> None:
+    """``127.1`` passes for loopback (the resolver reads it as 127.0.0.1) but gRPC cannot
+    bind it, nor a port in use: the sidecar died with a traceback, after opening its
+    pool. Now: one line, exit 2, and no pool file left behind."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        if address == "busy":
+            address = f"127.0.0.1:{busy.getsockname()[1]}"
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        config = settings(auth_token=ADMIN, shm_dir=str(shm))
+        sidecar = SidecarProcess(tmp_path, config, listen=address)
+        try:
+            with pytest.raises(RuntimeError, match="exited"):
+                sidecar.start()
+        finally:
+            sidecar.stop()
+    assert sidecar.process is not None and sidecar.process.returncode == 2
+    log = sidecar.log()
+    assert "Traceback" not in log
+    assert "lmtier serve: error: sidecar.listen: " in log
+    assert list(shm.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def nobody() -> Iterator[OtherUser]:
     user = other_user()

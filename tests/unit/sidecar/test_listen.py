@@ -78,6 +78,13 @@ def test_parse_unix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         ("localhost:65536", "must be a number from 0 to 65535"),
         ("localhost:-1", "must be a number"),
         ("bad_host!:1", "not a host name"),
+        # Short and hex IPv4 forms: the resolver takes them as loopback, gRPC cannot
+        # bind them (the sidecar died with a traceback after the policy passed).
+        ("127.1:1", "'127.1' is not an IPv4 address"),
+        ("127.0.1:1", "is not an IPv4 address"),
+        ("0x7f.0.0.1:1", "is not an IPv4 address"),
+        ("2130706433:1", "is not an IPv4 address"),
+        ("127.0.0.256:1", "is not an IPv4 address"),
     ],
 )
 def test_parse_refuses_with_a_clear_message(text: str, words: str) -> None:
