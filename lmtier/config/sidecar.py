@@ -9,7 +9,16 @@ from typing import ClassVar
 from pydantic import model_validator
 
 from lmtier.config.section import Section
-from lmtier.config.types import Bool, Count, PathValue, PositiveFloat, SecretText, Size, Text
+from lmtier.config.types import (
+    Bool,
+    Count,
+    PathValue,
+    PositiveFloat,
+    SecretText,
+    Share,
+    Size,
+    Text,
+)
 
 __all__ = ["DEFAULT_SLAB_BYTES", "SidecarConfig"]
 
@@ -32,6 +41,10 @@ class SidecarConfig(Section):
     allow_remote: Bool = False
     """Let a TCP listener bind an address other than loopback. A token is then
     required (``auth_token``, ``auth_token_file`` or ``tokens_file``)."""
+    allow_tcp_without_token: Bool = False
+    """Let a loopback TCP listener take calls without a token (logged as a warning at
+    every start). Off, a TCP listener needs a token: every user of the machine can
+    dial loopback, and without one reads and writes every tenant's KV."""
     metrics_listen: Text = ""
     """``host:port`` of the Prometheus ``/metrics`` endpoint (empty: none)."""
     auth_token: SecretText | None = None
@@ -60,6 +73,15 @@ class SidecarConfig(Section):
     """On SIGTERM: seconds to finish in-flight calls and flush write queues."""
     max_sessions: Count = 4096
     """Open sessions at once (one per client process and namespace)."""
+    token_share: Share | None = None
+    """The part of ``max_sessions``, and of the pool's slabs, that one token may hold
+    at once (leases, and the slabs its streaming calls hold). Empty: an equal share,
+    1 / the number of configured tokens, so that every token always gets its share
+    whatever the others hold (no token, or one: all of it)."""
+    stream_stall_s: PositiveFloat = 10.0
+    """Seconds a streaming call may stop moving chunk bytes (a ``StoreStream`` between
+    two pieces of a chunk, a ``LoadStream`` whose reader stops reading) before the
+    slabs it holds are reclaimed: the chunk is dropped, the load ends there."""
     max_message_bytes: Size = 8 * 1024**2
     """The largest gRPC message accepted (bigger ones: RESOURCE_EXHAUSTED)."""
     stream_piece_bytes: Size = 4 * 1024**2

@@ -145,6 +145,8 @@ Wait = Annotated[_Float, Field(ge=0.0, le=MAX_TIMEOUT_S)]
 PinFraction = Annotated[_Float, Field(ge=0.0, le=0.9)]
 """A part of a tier's capacity that pinned chunks may take: at most 0.9, so that
 pins never starve the cache of room for new chunks."""
+Share = Annotated[_Float, Field(gt=0.0, le=1.0)]
+"""A part of a resource one caller may hold (more than 0, at most 1: all of it)."""
 Text = Annotated[str, Strict(), AfterValidator(_not_blank)]
 """A string; empty, or holding more than spaces, and no NUL."""
 NonEmptyText = Annotated[Text, AfterValidator(_non_empty)]

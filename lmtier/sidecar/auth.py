@@ -133,6 +133,12 @@ class Authenticator:
         """Whether calls must carry a token (at least one is configured)."""
         return bool(self._tokens)
 
+    @property
+    def num_principals(self) -> int:
+        """How many callers can be told apart: one per token, or one (:data:`ANONYMOUS`)
+        without tokens. The default share of each (:mod:`.shares`) is 1 / this."""
+        return max(1, len(self._tokens))
+
     def authenticate(self, metadata: Sequence[tuple[str, Any]] | None) -> Principal:
         """The principal whose token ``metadata`` carries.
 

@@ -50,6 +50,7 @@ that need no token hold the sidecar's descriptors that long."""
 # sun_path holds 108 bytes on Linux (104 on macOS), the final NUL included.
 _MAX_SOCKET_PATH = 103 if sys.platform == "darwin" else 107
 _HOSTNAME = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?$")
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
 _KEY = "sidecar.listen"
 
 
@@ -170,6 +171,14 @@ def _parse_tcp(text: str, key: str) -> ListenAddress:
             )
         if not _is_ipv4(host) and not _HOSTNAME.match(host):
             raise ConfigError(f"{key}: {brief(host)} is not a host name or address", key=key)
+        if not _is_ipv4(host) and _NUMERIC_LABEL.fullmatch(host.rstrip(".").rsplit(".", 1)[-1]):
+            # A name's last label is never a number: this is an address in a short or
+            # hex form (127.1, 0x7f.1), which the resolver accepts and gRPC does not.
+            raise ConfigError(
+                f"{key}: {brief(host)} is not an IPv4 address; write four numbers "
+                "from 0 to 255 (127.0.0.1)",
+                key=key,
+            )
     if not port_text.isdigit() or not port_text.isascii() or int(port_text) > 65535:
         raise ConfigError(
             f"{key}: port {brief(port_text)} must be a number from 0 to 65535", key=key
@@ -202,12 +211,17 @@ def default_listen(env: Mapping[str, str]) -> str:
 
 def check_policy(address: ListenAddress, sidecar: SidecarConfig, auth: Authenticator) -> None:
     """Refuse a TCP listener that other machines can reach unless ``sidecar.allow_remote``
-    is set and ``auth`` requires a token; warn when such a listener has no TLS.
+    is set and ``auth`` requires a token; warn when such a listener has no TLS. Refuse
+    a loopback TCP listener without a token unless ``sidecar.allow_tcp_without_token``
+    (then warn): unlike a unix socket (0600), loopback is open to every local user.
 
     ``localhost`` and loopback addresses are local; ``0.0.0.0`` and ``::`` (every
     interface) are not; another host name is local when all its addresses are.
     """
-    if address.kind == "unix" or address.loopback or _resolves_to_loopback(address.host):
+    if address.kind == "unix":
+        return
+    if address.loopback or _resolves_to_loopback(address.host):
+        _check_local_tcp(address, sidecar, auth)
         return
     missing = []
     if not sidecar.allow_remote:
@@ -226,6 +240,24 @@ def check_policy(address: ListenAddress, sidecar: SidecarConfig, auth: Authentic
             "set sidecar.tls_cert_file and sidecar.tls_key_file",
             address,
         )
+
+
+def _check_local_tcp(address: ListenAddress, sidecar: SidecarConfig, auth: Authenticator) -> None:
+    if auth.required:
+        return
+    if not sidecar.allow_tcp_without_token:
+        raise ConfigError(
+            f"{_KEY}: {address} needs a token: every user of this machine can connect to "
+            "a TCP port, loopback too; configure one (sidecar.auth_token_file or "
+            "sidecar.tokens_file), listen on a unix socket, or set "
+            "sidecar.allow_tcp_without_token: true",
+            key=_KEY,
+        )
+    logger.warning(
+        "sidecar.allow_tcp_without_token: %s takes calls without a token: every user of "
+        "this machine can read and write every tenant's KV through it",
+        address,
+    )
 
 
 def _resolves_to_loopback(host: str) -> bool:

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_NAMESPACES",
     "NamespaceCheck",
     "SessionSpace",
+    "check_unique",
     "check_written",
     "parse_keys",
     "template_of",
@@ -174,6 +175,18 @@ def parse_keys(data: bytes, digest: bytes) -> list[ChunkKey]:
                 f"key {index} ({brief(key.hex())}) is not of this session's namespace"
             )
     return keys
+
+
+def check_unique(keys: list[ChunkKey]) -> None:
+    """InvalidRequestError if a key comes twice. A load names the chunks of one prefix,
+    each once; one LoadStream naming a key 65,536 times streamed it as often (550 MB
+    for a 2 MB request)."""
+    if len(set(keys)) == len(keys):
+        return
+    first: dict[ChunkKey, int] = {}
+    for index, key in enumerate(keys):
+        if first.setdefault(key, index) != index:
+            raise InvalidRequestError(f"key {index} repeats key {first[key]}: name each chunk once")
 
 
 class NamespaceCheck(ChunkCheck):

@@ -6,15 +6,21 @@ waits for its request for ever: connections that send half a request line and st
 (slowloris) each hold a thread and a file descriptor, until the process runs out of
 descriptors and its gRPC listeners cannot accept engines any more. This server
 bounds both: a connection has :data:`READ_TIMEOUT_S` to send its request, and at
-most :data:`MAX_CONNECTIONS` are served at once (more are closed on arrival: a
-scraper retries at its next interval; the engines' calls are what must not wait).
+most :data:`MAX_CONNECTIONS` are served at once. A connection that arrives when all
+are taken closes the oldest one still sending its request, so half-sent requests
+(which any local user can open) cannot keep a scraper out: its request comes at once,
+so it is never the oldest unfinished one. When every connection has sent its request,
+more are closed on arrival (a scraper retries at its next interval; the engines'
+calls are what must not wait).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -33,6 +39,14 @@ MAX_CONNECTIONS = 32
 
 class _Handler(WSGIRequestHandler):
     timeout = READ_TIMEOUT_S  # socketserver sets it on the connection's socket
+    server: _Server
+
+    def parse_request(self) -> bool:
+        """Read the request line and headers; from then on the connection is served,
+        never closed for a newcomer."""
+        parsed = super().parse_request()
+        self.server.request_read(self.connection)
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:
         """Requests are not logged (a scrape every few seconds)."""
@@ -44,15 +58,24 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._reading: OrderedDict[Any, None] = OrderedDict()  # oldest first
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # full: closed now, not queued
+        # Full: close the oldest still reading, and wait for its thread to give its
+        # place back (at once: its read fails); if every place is serving, close this.
+        if not self._slots.acquire(blocking=False) and not (
+            self._evict_oldest() and self._slots.acquire(timeout=READ_TIMEOUT_S)
+        ):
+            self.shutdown_request(request)
             return
+        with self._lock:
+            self._reading[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.request_read(request)
             self._slots.release()  # no thread took it
             raise
 
@@ -60,7 +83,24 @@ class _Server(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.request_read(request)
             self._slots.release()
+
+    def request_read(self, request: Any) -> None:
+        """``request`` has sent its request (or ended): it is not closed for newcomers."""
+        with self._lock:
+            self._reading.pop(request, None)
+
+    def _evict_oldest(self) -> bool:
+        """Close the oldest connection still sending its request (its thread's read
+        fails, and its place comes back); whether there was one."""
+        with self._lock:
+            if not self._reading:
+                return False
+            oldest, _ = self._reading.popitem(last=False)
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)
+        return True
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or broke is closed quietly (socketserver would

@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lmtier.chunks.integrity import load_key
 from lmtier.config import LMTierConfig
+from lmtier.errors import ConfigError
 from lmtier.sidecar.auth import Authenticator, server_credentials
 from lmtier.sidecar.lane import LaneServer, lane_path
 from lmtier.sidecar.listen import (
@@ -45,6 +46,7 @@ from lmtier.sidecar.namespaces import NamespaceCheck
 from lmtier.sidecar.peer import PeerServer
 from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
+from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import lenient
 from lmtier.storage.cpu_tier import open_memory_tier
@@ -119,11 +121,19 @@ class Sidecar:
             raise
         self._manager = manager
         await self._open_peer(manager)
-        sessions = Sessions(max_sessions=side.max_sessions, lease_ttl_s=side.lease_ttl_s)
+        sessions = Sessions(
+            max_sessions=side.max_sessions,
+            lease_ttl_s=side.lease_ttl_s,
+            shares=self._shares(pool.num_slabs),
+        )
         parts = Parts(config, manager, pool, check, sessions, self.auth, self.metrics, self.shm)
         self.service = service = SidecarService(parts)
         self._pool = pool
-        await self._serve(service)
+        try:
+            await self._serve(service)
+        except BaseException:
+            await self._abandon_start()
+            raise
         self.metrics.set_sources(
             tiers=lambda: {t.name: t.stats for t in (manager.memory, *manager.tiers)},
             extra=lambda: _queue_depths(manager),
@@ -140,6 +150,37 @@ class Sidecar:
             pool.slab_bytes,
             ", shared memory" if offer_shm else "",
         )
+
+    async def _abandon_start(self) -> None:
+        """Undo a start that failed once the tiers were open (the listener would not
+        bind): close them, and leave no pool file behind."""
+        if self._peer is not None:
+            await self._peer.stop(None)
+        if self._manager is not None:
+            await self._manager.close()
+        self._pool.close()
+        self._drop_shm()
+
+    def _shares(self, num_slabs: int) -> Shares:
+        """What one token may hold (:mod:`.shares`): ``sidecar.token_share``, else an
+        equal share of the sessions and slabs for each token."""
+        side = self.config.sidecar
+        callers = self.auth.num_principals
+        share = side.token_share if side.token_share is not None else 1 / callers
+        shares = Shares.of(share, max_sessions=side.max_sessions, num_slabs=num_slabs)
+        if callers > 1:
+            logger.info(
+                "each of %d tokens may hold %d sessions and %d of %d slabs%s",
+                callers,
+                shares.sessions_each,
+                shares.slabs_each,
+                num_slabs,
+                " (sidecar.token_share is more than an equal share: together they can "
+                "take them all, and a token may find none left)"
+                if share * callers > 1 + 1e-9
+                else "",
+            )
+        return shares
 
     async def _open_peer(self, manager: StorageManager) -> None:
         """With ``peer.listen``: serve this node's CPU tier to other nodes
@@ -193,10 +234,17 @@ class Sidecar:
         old_umask = os.umask(0o177)  # the socket is born owner-only, no window
         try:
             target = address.grpc_target
-            if credentials is None:
-                self.port = server.add_insecure_port(target)
-            else:
-                self.port = server.add_secure_port(target, credentials)
+            try:
+                if credentials is None:
+                    self.port = server.add_insecure_port(target)
+                else:
+                    self.port = server.add_secure_port(target, credentials)
+            except RuntimeError:  # grpc's only word for it: "Failed to bind to address"
+                raise ConfigError(
+                    f"sidecar.listen: cannot listen on {target} (in use, or not an address "
+                    "of this machine)",
+                    key="sidecar.listen",
+                ) from None
             await server.start()
         finally:
             os.umask(old_umask)

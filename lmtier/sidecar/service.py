@@ -22,23 +22,24 @@ from lmtier import __version__
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
-from lmtier.errors import CapacityError, InvalidRequestError
+from lmtier.errors import CapacityError, InvalidRequestError, brief
 from lmtier.sidecar.auth import Authenticator, Principal
 from lmtier.sidecar.calls import InFlight, answer, session_stream, streaming, unary
-from lmtier.sidecar.holds import Incoming, let_go, reclaim_after
+from lmtier.sidecar.holds import StreamHold
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.namespaces import (
     DIGEST_BYTES,
     MAX_KEYS,
     NamespaceCheck,
     SessionSpace,
+    check_unique,
     check_written,
     parse_keys,
 )
-from lmtier.sidecar.pieces import Piece, chunk_pieces, decode_piece
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import Draining, NotOffered, numeric_leaves
+from lmtier.sidecar.transfers import clipped, receive_chunks, send_chunks
 from lmtier.storage.lookup import LoadedChunk, TierSpan
 from lmtier.storage.lookup import Lookup as Found
 from lmtier.storage.manager import StorageManager
@@ -109,7 +110,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         space = SessionSpace.from_wire(request.namespace)
         if not principal.allows(space.namespace.model_id, space.namespace.cache_salt):
             raise PermissionError(
-                f"{principal.name} may not use model {space.namespace.model_id!r} under "
+                f"{principal.name} may not use model {brief(space.namespace.model_id)} under "
                 "this cache salt"
             )
         slab_bytes = self.parts.pool.slab_bytes
@@ -129,11 +130,12 @@ class SidecarService(pb_grpc.SidecarServicer):
         except BaseException:
             self.parts.check.unregister(space)  # refused (max_sessions): not live
             raise
+        # Client-chosen strings are cut: one session must not write megabytes of log.
         logger.info(
             "session opened: %s (%s), model %s, rank %d/%d, %s",
-            request.client_name or "unnamed client",
+            brief(request.client_name) if request.client_name else "unnamed client",
             principal.name,
-            space.namespace.model_id,
+            brief(space.namespace.model_id),
             space.namespace.tp_rank,
             space.namespace.tp_size,
             "shared memory" if shm is not None else "streaming",
@@ -147,7 +149,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             released = self.parts.sessions.close(session)
             self.parts.check.unregister(space)
             logger.info(
-                "session closed: %s, %d lease(s) released", request.client_name or "?", released
+                "session closed: %s, %d lease(s) released", brief(request.client_name), released
             )
 
     def _info(self, session: Session, shm: SharedRegion | None) -> pb.SessionInfo:
@@ -209,12 +211,13 @@ class SidecarService(pb_grpc.SidecarServicer):
             reply.keys = b"".join(keys)
         return reply
 
-    async def _get(self, session: Session, request: pb.LoadRequest) -> list[LoadedChunk]:
+    def _load_keys(self, session: Session, request: pb.LoadRequest) -> list[ChunkKey]:
+        """The keys a Load or LoadStream asks for, each once (the leases it returns
+        released first)."""
         self.parts.sessions.release(session, request.release)
         keys = self._keys(session, request)
-        if not keys:
-            return []
-        return await self.parts.manager.get(keys, self._given_lookup(request, len(keys)))
+        check_unique(keys)
+        return keys
 
     def _given_lookup(self, request: pb.LoadRequest, num_keys: int) -> Found | None:
         """The request's lookup spans if they are well formed (contiguous from chunk 0,
@@ -232,16 +235,28 @@ class SidecarService(pb_grpc.SidecarServicer):
 
     @unary
     async def Load(self, request: pb.LoadRequest, principal: Principal) -> pb.LoadReply:
+        """Leases on the chunks of the keys' cached prefix, as many as the caller's
+        share of the slabs allows (:mod:`.shares`: the client reads a shorter hit)."""
         session = self._session(request.session_id, principal)
         if not session.shared_memory:
             raise NotOffered("this session has no shared memory: use LoadStream")
-        chunks = await self._get(session, request)
+        keys = self._load_keys(session, request)
+        if not keys:
+            return pb.LoadReply()
+        shares = self.parts.sessions.shares
+        counted = shares.take_some(principal, len(keys))
+        chunks: list[LoadedChunk] = []
+        try:
+            lookup = clipped(self._given_lookup(request, len(keys)), 0, counted)
+            chunks = await self.parts.manager.get(keys[:counted], lookup)
+        finally:
+            shares.give(principal, counted - len(chunks))  # the leases keep the rest
         reply, granted = pb.LoadReply(), 0
         grant = self.parts.sessions.grant
         try:
             for loaded in chunks:
                 lease = grant(session, loaded.handle, writable=False)
-                granted += 1  # the lease owns the slab now
+                granted += 1  # the lease owns the slab (and its count) now
                 decoded = loaded.chunk
                 reply.chunks.add(
                     lease=lease,
@@ -252,34 +267,34 @@ class SidecarService(pb_grpc.SidecarServicer):
         finally:
             for left in chunks[granted:]:
                 left.release()
+            shares.give(principal, len(chunks) - granted)
         return reply
+
+    def _stream_hold(self, principal: Principal) -> StreamHold:
+        side = self.parts.config.sidecar
+        return StreamHold(
+            self.parts.sessions.shares,
+            principal,
+            stall_s=side.stream_stall_s,
+            ttl_s=side.lease_ttl_s,
+        )
 
     @streaming
     async def LoadStream(
         self, request: pb.LoadRequest, principal: Principal, context: Any
     ) -> AsyncIterator[bytes]:
-        """Yields serialized ``ChunkPiece`` messages (:mod:`.pieces`). Each chunk's slab
-        is given back once its messages are made (they hold copies); the slabs of
-        those not sent yet are reclaimed after ``lease_ttl_s``, as a lease's would be,
-        so a reader that stops reading holds nothing past it: the stream ends there."""
+        """Yields serialized ``ChunkPiece`` messages (:func:`.transfers.send_chunks`:
+        within the caller's share of the slabs; a reader that stops reading holds
+        them no longer than ``sidecar.stream_stall_s``)."""
         session = self._session(request.session_id, principal)
-        chunks = await self._get(session, request)
-        reclaim = reclaim_after(self.parts.sessions.lease_ttl_s, chunks)
+        keys = self._load_keys(session, request)
+        lookup = self._given_lookup(request, len(keys))
+        hold = self._stream_hold(principal)
         try:
-            for loaded in chunks:
-                if loaded.handle.released:
-                    return  # reclaimed: the rest is a miss to the client
-                decoded = loaded.chunk
-                length = decoded.payload_offset + len(decoded.payload)
-                view = loaded.handle.view
-                pieces = list(chunk_pieces(loaded.key, view, length, self._piece, tier=loaded.tier))
-                loaded.release()
-                for piece in pieces:
-                    yield piece
+            async for piece in send_chunks(self.parts.manager, hold, keys, lookup, self._piece):
+                yield piece
         finally:
-            reclaim.cancel()
-            for loaded in chunks:
-                let_go(loaded.handle)
+            hold.close()
 
     # ---- stores --------------------------------------------------------------------
 
@@ -299,7 +314,10 @@ class SidecarService(pb_grpc.SidecarServicer):
             count = min(count, len(keys) - present)
         if count == 0:
             return pb.AcquireSlabsReply(present=present)
-        handles = self.parts.manager.acquire_slabs(count, True)
+        shares = sessions.shares
+        counted = shares.take_some(principal, count)
+        handles = self.parts.manager.acquire_slabs(counted, True)
+        shares.give(principal, counted - len(handles))
         if not handles:
             raise CapacityError("no free slab: every slab is held by readers and pending writes")
         reply = pb.AcquireSlabsReply(present=present)
@@ -309,6 +327,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             except BaseException:
                 for rest in handles[at:]:
                     rest.release()
+                shares.give(principal, len(handles) - at)
                 raise
             reply.slabs.add(lease=lease, slab=handle.index)
         return reply
@@ -355,47 +374,21 @@ class SidecarService(pb_grpc.SidecarServicer):
     async def StoreStream(
         self, pieces: AsyncIterator[bytes], principal: Principal
     ) -> pb.StoreReply:
-        session: Session | None = None
-        stored = dropped = 0
-        current: Incoming | None = None
+        """Each chunk into a slab, checked, to the cache (:func:`.transfers.receive_chunks`:
+        within the caller's share; a chunk stalled mid-way is dropped)."""
+        hold = self._stream_hold(principal)
         try:
-            async for raw in pieces:
-                piece = decode_piece(raw)
-                if session is None:
-                    session = self._session(piece.session_id, principal)
-                if current is None:  # a new chunk starts
-                    current = self._incoming(piece)
-                if not current.add(piece):
-                    continue
-                key, length, handle = current.key, current.length, current.take()
-                current = None
-                if handle is None:
-                    dropped += 1
-                    continue
-                try:
-                    self._check_chunk(session, key, handle, length, stored + dropped)
-                except BaseException:
-                    handle.release()
-                    raise
-                done = self.parts.manager.put_many([(key, handle, length)])
-                stored += done
-                dropped += 1 - done
-            if current is not None:
-                raise InvalidRequestError("the stream ended inside a chunk")
+            stored, dropped = await receive_chunks(
+                self.parts.manager,
+                hold,
+                pieces,
+                slab_bytes=self.parts.pool.slab_bytes,
+                session_of=lambda session_id: self._session(session_id, principal),
+                check=self._check_chunk,
+            )
         finally:
-            if current is not None:
-                current.close()
+            hold.close()
         return pb.StoreReply(stored=stored, dropped=dropped)
-
-    def _incoming(self, piece: Piece) -> Incoming:
-        """The chunk a store stream's piece starts, with a slab if one is free."""
-        if piece.offset != 0 or not piece.key:
-            raise InvalidRequestError("a chunk's first piece has its key, offset 0")
-        if not 0 < piece.total_length <= self.parts.pool.slab_bytes:
-            raise InvalidRequestError(f"a chunk of {piece.total_length} bytes does not fit a slab")
-        got = self.parts.manager.acquire_slabs(1, True)
-        ttl_s = self.parts.sessions.lease_ttl_s
-        return Incoming(ChunkKey(piece.key), piece.total_length, got[0] if got else None, ttl_s)
 
     @unary
     async def Release(self, request: pb.ReleaseRequest, principal: Principal) -> pb.ReleaseReply:

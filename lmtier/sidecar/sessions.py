@@ -8,7 +8,9 @@ close, a lost connection, a client killed by SIGKILL). Every slab lent to a clie
 holds a :class:`~lmtier.storage.memory.SlabHandle`: the slab cannot be evicted or
 reused until the lease ends. A lease ends when the client releases or commits it,
 when its session closes, or at its deadline (:meth:`Sessions.reap`), whichever is
-first. Lease ids are per session: one client can never end another's lease.
+first. Lease ids are per session: one client can never end another's lease. What
+each token may hold, sessions and leased slabs, is bounded by its share
+(:mod:`.shares`).
 
 All of it runs on the sidecar's event loop: no locks.
 """
@@ -22,9 +24,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from lmtier.errors import CapacityError, LMTierError
+from lmtier.errors import CapacityError, LMTierError, brief
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.namespaces import SessionSpace
+from lmtier.sidecar.shares import Shares
 from lmtier.storage.memory import HostPool, SlabHandle
 
 __all__ = ["Lease", "Session", "SessionNotFound", "Sessions"]
@@ -77,9 +80,14 @@ class Sessions:
         max_sessions: int,
         lease_ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
+        shares: Shares | None = None,
     ) -> None:
         self.max_sessions = max_sessions
         self.lease_ttl_s = lease_ttl_s
+        self.shares = shares if shares is not None else Shares()
+        """What each principal may hold: its sessions here, its leased slabs (which a
+        caller counts with :meth:`Shares.take` before :meth:`grant`) and its
+        streaming calls' slabs (:mod:`.holds`)."""
         self._clock = clock
         self._sessions: dict[bytes, Session] = {}
         # By the principal's identity: each configured token is one Principal object,
@@ -112,14 +120,18 @@ class Sessions:
             "leases_expired": self.expired,
             "slabs_total": pool.num_slabs,
             "slabs_in_use": pool.num_in_use,
+            "share_refusals": self.shares.refusals,
+            "stream_slabs_reclaimed": self.shares.reclaimed,
         }
 
     def open(
         self, space: SessionSpace, principal: Principal, *, shared_memory: bool, client_name: str
     ) -> Session:
-        """A new session; CapacityError when ``max_sessions`` are open."""
+        """A new session; CapacityError when ``max_sessions`` are open, or when
+        ``principal`` has its share of them open."""
         if len(self._sessions) >= self.max_sessions:
             raise CapacityError(f"{self.max_sessions} sessions are open (sidecar.max_sessions)")
+        self.shares.open_session(principal)
         session = Session(
             secrets.token_bytes(SESSION_ID_BYTES), space, principal, shared_memory, client_name
         )
@@ -154,14 +166,19 @@ class Sessions:
             peers.remove(session)
             if not peers:
                 del self._spaces[key]
+            self.shares.close_session(session.principal)
         leases, session.leases = session.leases, {}
         for lease in leases.values():
             lease.handle.release()
+        self.shares.give(session.principal, len(leases))
         return len(leases)
 
     def grant(self, session: Session, handle: SlabHandle, *, writable: bool) -> int:
         """Lend ``handle`` (ownership passes to the lease) to ``session``; the lease id.
-        SessionNotFound (the handle still the caller's) if the session has closed."""
+        The caller has counted the slab against the session's principal
+        (:meth:`Shares.take`): the lease now holds that count, and gives it back when
+        it ends. SessionNotFound (the handle and its count still the caller's) if the
+        session has closed."""
         if session.closed:
             raise SessionNotFound("the session closed meanwhile: reopen")
         lease_id = session.next_lease
@@ -176,6 +193,7 @@ class Sessions:
         if lease is None or lease.writable != writable:
             return None
         del session.leases[lease_id]
+        self.shares.give(session.principal)  # the cache takes it, or the caller frees it
         return lease.handle
 
     def release(self, session: Session, lease_ids: Iterable[int]) -> int:
@@ -186,6 +204,7 @@ class Sessions:
             if lease is not None:
                 lease.handle.release()
                 ended += 1
+        self.shares.give(session.principal, ended)
         return ended
 
     def reap(self) -> int:
@@ -203,7 +222,7 @@ class Sessions:
             reaped += self.release(session, late)
             logger.warning(
                 "session of %s held %d slab(s) past their %.0f s lease: reclaimed",
-                session.client_name or "a client",
+                brief(session.client_name) if session.client_name else "a client",
                 len(late),
                 self.lease_ttl_s,
             )

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 import torch
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmtier.chunks.keys import ChunkKey
@@ -41,6 +42,7 @@ __all__ = [
     "NAMESPACE",
     "Metadata",
     "Session",
+    "TENANT_MODEL",
     "TcpSidecar",
     "assert_unharmed",
     "bearer",
@@ -56,8 +58,10 @@ __all__ = [
     "read_exactly",
     "run_lmtier",
     "store_stream",
+    "tenant",
     "wait_for",
     "write_slab",
+    "write_tokens",
 ]
 
 T = TypeVar("T")
@@ -94,6 +98,24 @@ def namespace(**changes: Any) -> pb.Namespace:
 
 def bearer(token: str) -> Metadata:
     return (("authorization", f"Bearer {token}"),)
+
+
+TENANT_MODEL = "shared/model"
+"""The model id the tenants of :func:`tenant` share (each under its own salt)."""
+
+
+def write_tokens(folder: Path, entries: list[dict[str, Any]]) -> Path:
+    """A ``tokens_file`` (0600) in ``folder`` with these entries."""
+    path = folder / "tokens.yaml"
+    path.write_text(yaml.safe_dump(entries))
+    path.chmod(0o600)
+    return path
+
+
+def tenant(stub: pb_grpc.SidecarStub, token: str, salt: str, **kw: Any) -> Session:
+    """A session of :data:`TENANT_MODEL` under ``salt``, opened with ``token``."""
+    space = namespace(model_id=TENANT_MODEL, cache_salt=salt)
+    return open_session(stub, space, metadata=bearer(token), **kw)
 
 
 def wait_for(condition: Callable[[], T], what: str, timeout_s: float = POLL_TIMEOUT_S) -> T:

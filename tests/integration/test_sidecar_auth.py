@@ -7,8 +7,10 @@
   apart, and never writes a token to its log.
 * Listeners: a TCP port 0 listener says which port it bound; a listener other
   machines can reach needs ``allow_remote`` and a token, or the process exits with a
-  one-line message; with TLS, raw stubs and ``LMTier.connect`` work over TCP (streamed,
-  bit-exact).
+  one-line message; so does a loopback TCP listener without a token (unless
+  ``allow_tcp_without_token``, logged), and another local user (``nobody``, a real
+  second uid) reads nothing of a loopback sidecar's KV; with TLS, raw stubs and
+  ``LMTier.connect`` work over TCP (streamed, bit-exact).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-import yaml
+from other_user import NOBODY, OtherUser, other_user
 from sidecar_helpers import (
     CALL_TIMEOUT_S,
+    NAMESPACE,
+    TENANT_MODEL,
     Metadata,
     Session,
     TcpSidecar,
@@ -41,7 +45,9 @@ from sidecar_helpers import (
     pieces,
     run_lmtier,
     store_stream,
+    tenant,
     wait_for,
+    write_tokens,
 )
 
 from lmtier import KVSpec, LMTier, LMTierConfig
@@ -62,7 +68,7 @@ REPLICA_1 = "replica-1-" + secrets.token_hex(16)
 REPLICA_2 = "replica-2-" + secrets.token_hex(16)
 WRONG = "wrong-" + secrets.token_hex(16)
 """Tokens are random per run, so that finding one in a log is never a coincidence."""
-MODEL = "shared/model"
+MODEL = TENANT_MODEL
 HUGE = {"num_layers": 1 << 20, "num_kv_heads": 1 << 20, "head_dim": 1 << 20}
 SMALL = {
     "cpu": {"capacity_bytes": "64KiB", "staging_bytes": "32KiB"},
@@ -80,20 +86,18 @@ def settings(**sidecar: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     folder = tmp_path_factory.mktemp("secured")
-    tokens = folder / "tokens.yaml"
-    tokens.write_text(
-        yaml.safe_dump(
-            [
-                {"token": TENANT_A, "name": "tenant-a", "models": [MODEL], "salts": ["salt-a"]},
-                {"token": TENANT_B, "name": "tenant-b", "models": [MODEL], "salts": ["salt-b"]},
-                # Two tokens of one service (same name, same scope), e.g. two replicas.
-                {"token": REPLICA_1, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
-                {"token": REPLICA_2, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
-            ]
-        )
+    tokens = write_tokens(
+        folder,
+        [
+            {"token": TENANT_A, "name": "tenant-a", "models": [MODEL], "salts": ["salt-a"]},
+            {"token": TENANT_B, "name": "tenant-b", "models": [MODEL], "salts": ["salt-b"]},
+            # Two tokens of one service (same name, same scope), e.g. two replicas.
+            {"token": REPLICA_1, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
+            {"token": REPLICA_2, "name": "replica", "models": [MODEL], "salts": ["salt-c"]},
+        ],
     )
-    tokens.chmod(0o600)
     config = settings(auth_token=ADMIN, tokens_file=str(tokens))
+    config["cpu"]["capacity_bytes"] = "128KiB"  # 10 slabs: 2 each for the 5 tokens
     with SidecarProcess(folder, config, args=["--log-level", "DEBUG"]) as process:
         yield process
 
@@ -108,11 +112,6 @@ def stub(secured: SidecarProcess) -> Iterator[pb_grpc.SidecarStub]:
 def admin(stub: pb_grpc.SidecarStub) -> Iterator[Session]:
     with open_session(stub, metadata=bearer(ADMIN), client_name="admin") as session:
         yield session
-
-
-def tenant(stub: pb_grpc.SidecarStub, token: str, salt: str, **kw: Any) -> Session:
-    space = namespace(model_id=MODEL, cache_salt=salt)
-    return open_session(stub, space, metadata=bearer(token), **kw)
 
 
 BAD_METADATA: dict[str, Metadata] = {
@@ -533,18 +532,19 @@ def test_ops_commands_with_a_token_scoped_to_one_salt(
 
 
 def test_a_tcp_port_zero_listener_reports_the_port_it_bound(tmp_path: Path) -> None:
-    with TcpSidecar(tmp_path, settings(), listen="127.0.0.1:0") as sidecar:
+    with TcpSidecar(tmp_path, settings(auth_token=ADMIN), listen="127.0.0.1:0") as sidecar:
         assert sidecar.port is not None and sidecar.port > 0
         assert f"listening on 127.0.0.1:{sidecar.port}" in sidecar.log()
-        assert_unharmed(sidecar)
+        assert_unharmed(sidecar, metadata=bearer(ADMIN))
         with grpc.insecure_channel(sidecar.target) as channel:
             stub = pb_grpc.SidecarStub(channel)
-            with open_session(stub, shared_memory=True) as session:
+            with open_session(stub, shared_memory=True, metadata=bearer(ADMIN)) as session:
                 assert not session.info.HasField("shm")  # shared memory: unix sockets only
                 expect_code(
                     Code.FAILED_PRECONDITION,
                     stub.AcquireSlabs,
                     pb.AcquireSlabsRequest(session_id=session.id, count=1),
+                    metadata=session.metadata,
                 )
         assert sidecar.stop() == 0
 
@@ -575,6 +575,99 @@ def test_a_remote_listener_needs_allow_remote_and_a_token(
     assert words in log
     assert "Traceback" not in log
     assert ADMIN not in log
+
+
+def test_a_loopback_tcp_listener_needs_a_token_or_a_logged_setting(tmp_path: Path) -> None:
+    """Every user of the machine can dial loopback (the unix socket is 0600): without a
+    token such a sidecar served every tenant's KV to all of them, and said nothing."""
+    refused = SidecarProcess(tmp_path / "refused", settings(), listen="127.0.0.1:0")
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            refused.start()
+    finally:
+        refused.stop()
+    assert refused.process is not None and refused.process.returncode not in (0, None)
+    log = refused.log()
+    assert "127.0.0.1:0 needs a token: every user of this machine" in log
+    assert "sidecar.allow_tcp_without_token" in log
+    assert "Traceback" not in log
+    opted_out = settings(allow_tcp_without_token=True)
+    with TcpSidecar(tmp_path / "opted-out", opted_out, listen="127.0.0.1:0") as sidecar:
+        assert "every user of this machine can read and write every tenant's KV" in sidecar.log()
+        assert_unharmed(sidecar)
+
+
+@pytest.mark.parametrize("address", ["127.1:0", "busy"])
+def test_a_listen_address_that_cannot_be_bound_is_a_one_line_error(
+    tmp_path: Path, address: str
+) -> None:
+    """``127.1`` passes for loopback (the resolver reads it as 127.0.0.1) but gRPC cannot
+    bind it, nor a port in use: the sidecar died with a traceback, after opening its
+    pool. Now: one line, exit 2, and no pool file left behind."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        if address == "busy":
+            address = f"127.0.0.1:{busy.getsockname()[1]}"
+        shm = tmp_path / "shm"
+        shm.mkdir()
+        config = settings(auth_token=ADMIN, shm_dir=str(shm))
+        sidecar = SidecarProcess(tmp_path, config, listen=address)
+        try:
+            with pytest.raises(RuntimeError, match="exited"):
+                sidecar.start()
+        finally:
+            sidecar.stop()
+    assert sidecar.process is not None and sidecar.process.returncode == 2
+    log = sidecar.log()
+    assert "Traceback" not in log
+    assert "lmtier serve: error: sidecar.listen: " in log
+    assert list(shm.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def nobody() -> Iterator[OtherUser]:
+    user = other_user()
+    if isinstance(user, str):
+        pytest.skip(user)
+    yield user
+    user.close()
+
+
+@pytest.mark.parametrize("token", [None, ADMIN], ids=["no-token", "token"])
+def test_another_local_user_reads_nothing_over_loopback_tcp(
+    tmp_path: Path, nobody: OtherUser, token: str | None
+) -> None:
+    """A sidecar on loopback TCP, configured as a user would (with and without a token),
+    holds a chunk; a client of another uid (``nobody``, without the token) dials it.
+    Without a token the sidecar used to start, and that client read the chunk
+    bit-exact; now it does not start, and with a token the client is refused."""
+    config = settings() if token is None else settings(auth_token=token)
+    sidecar = TcpSidecar(tmp_path, config, listen="127.0.0.1:0")
+    try:
+        try:
+            sidecar.start()
+        except RuntimeError:
+            assert token is None, sidecar.log()
+            assert "needs a token" in sidecar.log()
+            return
+        metadata = bearer(token) if token is not None else ()
+        with grpc.insecure_channel(sidecar.target) as channel:
+            stub = pb_grpc.SidecarStub(channel)
+            with open_session(stub, metadata=metadata, client_name="owner") as owner:
+                key = owner.key()
+                data = chunk_for(key, seed=3)
+                assert store_stream(stub, owner, [(key, data)]).stored == 1
+                stolen = nobody.run(
+                    {
+                        "target": sidecar.target,
+                        "namespace": NAMESPACE.SerializeToString().hex(),
+                        "keys": bytes(key).hex(),
+                    }
+                )
+        assert stolen["uid"] == NOBODY
+        assert stolen["code"] == "UNAUTHENTICATED", stolen["code"]
+        assert stolen["data"] == ""
+    finally:
+        sidecar.stop()
 
 
 @pytest.fixture(scope="module")

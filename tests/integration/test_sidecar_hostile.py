@@ -299,6 +299,23 @@ def test_long_strings_are_quoted_briefly(
     assert_unharmed(sidecar)
 
 
+def test_long_model_ids_and_client_names_are_logged_briefly(
+    sidecar: SidecarProcess, stub: pb_grpc.SidecarStub
+) -> None:
+    """The sidecar logs each session's model id and client name at INFO: a 1 MB id wrote
+    1 MB of log per session. Now both are cut (about 100 characters each)."""
+    before = len(sidecar.log())
+    space = namespace(model_id="m" * 1_000_000)
+    with open_session(stub, space, client_name="c" * 1_000_000):
+        pass
+    marker = "log-marker-" + secrets.token_hex(8)
+    with open_session(stub, client_name=marker):
+        pass
+    log = wait_for(lambda: marker in sidecar.log() and sidecar.log(), "the marker in the log")
+    assert len(log) - before < 16_384, len(log) - before
+    assert "mmmmmmmmmm" in log  # still named, briefly
+
+
 def test_empty_message_parses_and_names_no_session(
     channel: grpc.Channel, sidecar: SidecarProcess
 ) -> None:
@@ -399,6 +416,22 @@ def test_keys_of_another_namespace_are_permission_denied(
     with open_session(stub, namespace(model_id="hostile/other")) as other:
         expect_code(Code.PERMISSION_DENIED, call, control.id, other.key())
         expect_code(Code.PERMISSION_DENIED, call, other.id, control.key())
+
+
+@pytest.mark.parametrize("method", ["Load", "LoadStream"])
+def test_a_load_that_names_a_key_twice_is_invalid(
+    sidecar: SidecarProcess, stub: pb_grpc.SidecarStub, control: Session, method: str
+) -> None:
+    """A load names the chunks of one prefix, each once: one LoadStream that named a
+    cached key 65,536 times streamed it each time (550 MB for a 2 MB request)."""
+    key = control.key()
+    assert store_stream(stub, control, [(key, chunk_for(key))]).stored == 1
+    call = _key_calls(stub)[method]
+    for keys, words in ((key * 3, "key 1 repeats key 0"), (key + control.key() + key, "key 2")):
+        details = expect_code(Code.INVALID_ARGUMENT, call, control.id, keys)
+        assert words in details
+    assert gauges(stub, control)["leases"] == 0
+    assert_unharmed(sidecar)
 
 
 # --- sessions --------------------------------------------------------------------------
@@ -978,28 +1011,33 @@ def test_stalled_streams_hold_slabs_no_longer_than_a_lease(tmp_path: Path) -> No
     """A LoadStream reader that stops reading, and a StoreStream writer that stops
     mid-chunk, keep the stream open but not the slabs: they come back after
     ``lease_ttl_s`` as a lease's would (the load ends there; the chunk is dropped)."""
-    settings = {**SETTINGS, "sidecar": {**SETTINGS["sidecar"], "lease_ttl_s": 2}}
+    # Eight chunks of 512 KiB: far more than grpc's flow control lets through unread
+    # (a load names each chunk once).
+    settings = {
+        "cpu": {"capacity_bytes": "4160KiB", "staging_bytes": "1040KiB"},
+        "sidecar": {**SETTINGS["sidecar"], "slab_bytes": "520KiB", "lease_ttl_s": 2},
+    }
+    wide = namespace(head_dim=4096)
     with (
         SidecarProcess(tmp_path, settings) as process,
         grpc.insecure_channel(process.target) as channel,
     ):
         stub = pb_grpc.SidecarStub(channel)
         with (
-            open_session(stub, client_name="control") as control,
-            open_session(stub, shared_memory=False) as session,
+            open_session(stub, wide, client_name="control") as control,
+            open_session(stub, wide, shared_memory=False) as session,
         ):
             num_slabs = control.info.shm.num_slabs
-            keys = [session.key() for _ in range(4)]
-            stored = [(key, chunk_for(key, seed=i)) for i, key in enumerate(keys)]
-            assert store_stream(stub, session, stored).stored == 4
+            keys = [session.key() for _ in range(8)]
+            stored = [(key, chunk_for(key, seed=i, hidden=4096)) for i, key in enumerate(keys)]
+            assert store_stream(stub, session, stored).stored == 8
 
             def all_slabs_free() -> bool:
                 grants = acquire(stub, control, num_slabs)
                 release(stub, control, [grant.lease for grant in grants])
                 return len(grants) == num_slabs
 
-            # Far more chunks than grpc's flow control lets through unread.
-            load = stub.LoadStream(pb.LoadRequest(session_id=session.id, keys=b"".join(keys) * 64))
+            load = stub.LoadStream(pb.LoadRequest(session_id=session.id, keys=b"".join(keys)))
             next(load)  # then stall
             wait_for(all_slabs_free, "the stalled load's slabs to be reclaimed")
             load.cancel()

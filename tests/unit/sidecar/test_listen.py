@@ -78,6 +78,13 @@ def test_parse_unix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         ("localhost:65536", "must be a number from 0 to 65535"),
         ("localhost:-1", "must be a number"),
         ("bad_host!:1", "not a host name"),
+        # Short and hex IPv4 forms: the resolver takes them as loopback, gRPC cannot
+        # bind them (the sidecar died with a traceback after the policy passed).
+        ("127.1:1", "'127.1' is not an IPv4 address"),
+        ("127.0.1:1", "is not an IPv4 address"),
+        ("0x7f.0.0.1:1", "is not an IPv4 address"),
+        ("2130706433:1", "is not an IPv4 address"),
+        ("127.0.0.256:1", "is not an IPv4 address"),
     ],
 )
 def test_parse_refuses_with_a_clear_message(text: str, words: str) -> None:
@@ -126,9 +133,23 @@ def test_default_listen(tmp_path: Path) -> None:
 # --- the remote-listener policy --------------------------------------------------------
 
 
-def test_local_listeners_need_nothing() -> None:
-    for text in ("unix:///tmp/x.sock", "127.0.0.1:0", "localhost:0", "[::1]:0"):
-        check_policy(parse_listen(text), SidecarConfig(), NO_TOKEN)
+def test_a_unix_socket_needs_no_token() -> None:
+    check_policy(parse_listen("unix:///tmp/x.sock"), SidecarConfig(), NO_TOKEN)
+
+
+@pytest.mark.parametrize("text", ["127.0.0.1:0", "localhost:0", "[::1]:0", "127.8.9.1:1"])
+def test_a_loopback_tcp_listener_needs_a_token(text: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Every local user can dial loopback (a unix socket is 0600): without a token it
+    served every tenant's KV to any of them."""
+    address = parse_listen(text)
+    with pytest.raises(ConfigError, match="needs a token: every user of this machine") as caught:
+        check_policy(address, SidecarConfig(), NO_TOKEN)
+    assert "sidecar.allow_tcp_without_token: true" in str(caught.value)
+    check_policy(address, SidecarConfig(), WITH_TOKEN)
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        check_policy(address, SidecarConfig(allow_tcp_without_token=True), NO_TOKEN)
+    assert "every user of this machine can read and write" in caplog.text
 
 
 @pytest.mark.parametrize("text", ["0.0.0.0:50051", "[::]:50051", "10.0.0.5:1"])
@@ -162,8 +183,10 @@ def fake_resolver(addresses: dict[str, list[str]]) -> Any:
 def test_host_names_are_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
     names = {"me": ["127.0.1.1"], "lan": ["127.0.0.1", "192.168.1.9"], "v6": ["::1"]}
     monkeypatch.setattr(listen_module.socket, "getaddrinfo", fake_resolver(names))
-    check_policy(parse_listen("me:1"), SidecarConfig(), NO_TOKEN)
-    check_policy(parse_listen("v6:1"), SidecarConfig(), NO_TOKEN)
+    for local in ("me:1", "v6:1"):
+        check_policy(parse_listen(local), SidecarConfig(), WITH_TOKEN)
+        with pytest.raises(ConfigError, match="needs a token"):  # local, but TCP
+            check_policy(parse_listen(local), SidecarConfig(), NO_TOKEN)
     for remote in ("lan:1", "unknown:1"):
         with pytest.raises(ConfigError, match="reached from other machines"):
             check_policy(parse_listen(remote), SidecarConfig(), NO_TOKEN)
