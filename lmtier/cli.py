@@ -26,40 +26,82 @@ from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import HASH_ALGORITHMS, Namespace
 from lmtier.config import LMTierConfig, chunk_size_problem, load_config
-from lmtier.errors import ConfigError, InvalidTokensError, LMTierError
+from lmtier.errors import ConfigError, InvalidTokensError, LMTierError, brief
 
-__all__ = ["add_namespace_arguments", "main", "read_token_ids", "token_ids_from"]
+__all__ = [
+    "MAX_INPUT_CHARS",
+    "add_namespace_arguments",
+    "main",
+    "read_token_ids",
+    "token_ids_from",
+]
 
 EXIT_USAGE = 2
+MAX_INPUT_CHARS = 64 * 2**20
+"""Most characters a command reads as one prompt (token ids, or text): ~7M token ids,
+far beyond any context."""
+_READ_BLOCK = 1 << 20
+_MAX_WORD = 32  # longer than any int64 token id, signs and underscores included
 SAMPLE_TOKENS = 1000
 """Length of the built-in ``--sample`` prompt: three full 256-token chunks and a tail."""
 
 
 def read_token_ids(stream: TextIO, source: str) -> list[int]:
     """Whitespace-separated token ids from ``stream``; ``source`` names it in the
-    InvalidTokensError for a word that is not an integer (with its line)."""
+    InvalidTokensError for a word that is not an integer (with its line), and for an
+    input over :data:`MAX_INPUT_CHARS` (``/dev/zero`` must end in an error, not in
+    memory). Read a block at a time: a file with no line ends is never held whole."""
     ids: list[int] = []
-    for line_number, line in enumerate(stream, start=1):
-        for word in line.split():
-            try:
-                ids.append(int(word))
-            except ValueError:
-                raise InvalidTokensError(
-                    f"{source}:{line_number}: {word!r} is not an integer token id"
-                ) from None
+    carry, line_number, total = "", 1, 0
+    while block := stream.read(_READ_BLOCK):
+        total += len(block)
+        if total > MAX_INPUT_CHARS:
+            raise InvalidTokensError(
+                f"{source}: more than {MAX_INPUT_CHARS} characters of token ids: not a prompt"
+            )
+        text = carry + block
+        # A word that touches the block's end may go on in the next block.
+        cut = len(text) if text[-1].isspace() else len(text) - len(text.split()[-1])
+        carry = text[cut:]
+        line_number = _add_ids(ids, text[:cut], source, line_number)
+        if len(carry) > _MAX_WORD:
+            raise InvalidTokensError(f"{source}:{line_number}: {brief(carry)} is not a token id")
+    _add_ids(ids, carry, source, line_number)
     return ids
+
+
+def _add_ids(ids: list[int], text: str, source: str, line_number: int) -> int:
+    """Append the words of ``text`` (which starts on ``line_number``) as ids; the line
+    number at its end."""
+    position = 0
+    for word in text.split():
+        found = text.index(word, position)
+        line_number += text.count("\n", position, found)
+        position = found + len(word)
+        try:
+            ids.append(int(word))
+        except ValueError:
+            raise InvalidTokensError(
+                f"{source}:{line_number}: {brief(word)} is not an integer token id"
+            ) from None
+    return line_number + text.count("\n", position)
 
 
 def token_ids_from(file: str | None) -> list[int]:
     """Token ids from the file named ``file`` (None or ``-``: stdin)."""
-    if file in (None, "-"):
-        return read_token_ids(sys.stdin, "<stdin>")
-    path = Path(file)
     try:
-        with path.open(encoding="utf-8") as stream:
-            return read_token_ids(stream, str(path))
-    except OSError as exc:
-        raise InvalidTokensError(f"cannot read token ids from {path}: {exc.strerror}") from exc
+        if file in (None, "-"):
+            return read_token_ids(sys.stdin, "<stdin>")
+        path = Path(file)
+        try:
+            with path.open(encoding="utf-8") as stream:
+                return read_token_ids(stream, str(path))
+        except OSError as exc:
+            raise InvalidTokensError(f"cannot read token ids from {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidTokensError(
+            f"cannot read token ids from {file or '<stdin>'}: not UTF-8 text (byte {exc.start})"
+        ) from None
 
 
 def _sample_token_ids() -> list[int]:

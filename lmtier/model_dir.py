@@ -6,9 +6,14 @@ Every command that takes ``--model DIR`` (``lmtier demo``, ``demo serve``, ``war
 what one warms another never finds. So the identity is computed here, once, from files
 alone (no torch, no transformers):
 
-* the model id is the directory as given, normalised (``./models/x/`` and
-  ``models/x`` agree), which is also what transformers records as ``_name_or_path``
-  and vLLM uses as the model's name when loaded from a path;
+* the model id is the directory's resolved path: absolute, ``..`` and symlinks
+  resolved (:meth:`pathlib.Path.resolve`). So ``./m``, ``m/``, ``$PWD/m`` and a
+  symlink to ``m`` all name one namespace: what ``warm --model ./m`` stores, ``lookup
+  --model $PWD/m`` finds. Symlinks are resolved because the id should name the files,
+  not one spelling of their place: a link ``~/models/llama -> /data/llama`` is the
+  same model, and a link moved to other weights changes the revision anyway (below).
+  The same directory mounted at two different paths (two containers) still gives two
+  ids: give the engines an explicit ``model_id`` to share KV across them;
 * the revision fingerprints the weights: ``config.json``'s bytes and each weight
   file's name, size and modification time. New weights under the same name (a
   fine-tune written in place) change it, so stale KV is never served for them.
@@ -27,7 +32,7 @@ import xxhash
 
 from lmtier.errors import ConfigError
 
-__all__ = ["WEIGHT_SUFFIXES", "model_identity"]
+__all__ = ["WEIGHT_SUFFIXES", "local_model_id", "model_identity"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -49,4 +54,12 @@ def model_identity(directory: str | os.PathLike[str]) -> tuple[str, str]:
         if file.suffix in WEIGHT_SUFFIXES and file.is_file():
             stat = file.stat()
             digest.update(json.dumps([file.name, stat.st_size, stat.st_mtime_ns]).encode())
-    return str(Path(os.path.normpath(path))), digest.hexdigest()
+    return str(path.resolve()), digest.hexdigest()
+
+
+def local_model_id(name: str) -> str:
+    """The model id of an engine's model name (vLLM's ``--model``): a local directory's
+    resolved path, as :func:`model_identity` names it, else ``name`` unchanged (a hub
+    id such as ``meta-llama/Llama-3.1-8B``)."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name

@@ -3,12 +3,20 @@
 The CLI, the sidecar and the engine connector call :func:`load_config` once and pass
 the result down; nothing below them reads the environment or a file.
 
-Precedence, lowest first: field defaults < the YAML file < ``LMTIER_*`` environment
-variables < ``overrides`` passed by code. Each layer replaces single keys, not whole
-sections. The file is the ``path`` argument, else ``$LMTIER_CONFIG``, else an LMCache
-file named by ``$LMCACHE_CONFIG_FILE`` (its keys translated, :mod:`.lmcache`), else
-none. LMCache's key names are also accepted at the top level of an lmtier file and
-in ``overrides``; one file may not set a field both ways.
+Precedence, lowest first: field defaults < the YAML file < LMCache's environment
+variables < ``LMTIER_*`` environment variables < ``overrides`` passed by code. Each
+layer replaces single keys, not whole sections. The file is the ``path`` argument,
+else ``$LMTIER_CONFIG``, else an LMCache file named by ``$LMCACHE_CONFIG_FILE`` (its
+keys translated, :mod:`.lmcache`), else none. LMCache's key names are also accepted
+at the top level of an lmtier file and in ``overrides``; one file may not set a field
+both ways.
+
+LMCache reads ``LMCACHE_<KEY>`` variables (``LMCACHE_CHUNK_SIZE=256``,
+``LMCACHE_LOCAL_CPU=True``, ``LMCACHE_MAX_LOCAL_CPU_SIZE=20``, ``LMCACHE_LOCAL_DISK``,
+``LMCACHE_MAX_LOCAL_DISK_SIZE``, ``LMCACHE_REMOTE_URL``), and so does lmtier, through
+the same translation as LMCache's file keys (``none`` or an empty value: unset, as
+LMCache's null). Any other ``LMCACHE_*`` variable but ``LMCACHE_CONFIG_FILE`` is an
+error naming every such variable: a setting that silently did nothing would be worse.
 
 Environment names are ``LMTIER_`` plus the dotted key in capitals with ``__`` for the
 dot: ``LMTIER_CHUNK_SIZE=512``, ``LMTIER_CPU__CAPACITY_BYTES=8GiB``,
@@ -44,6 +52,7 @@ __all__ = [
     "CONFIG_ENV_VAR",
     "ENV_PREFIX",
     "LMCACHE_CONFIG_ENV_VAR",
+    "LMCACHE_ENV_PREFIX",
     "Setting",
     "config_from_dict",
     "env_name",
@@ -58,6 +67,8 @@ CONFIG_ENV_VAR = "LMTIER_CONFIG"
 """Names the YAML file when no path is passed; the one ``LMTIER_*`` name that is no key."""
 LMCACHE_CONFIG_ENV_VAR = "LMCACHE_CONFIG_FILE"
 """LMCache's own variable naming its YAML file: read when lmtier has no file of its own."""
+LMCACHE_ENV_PREFIX = "LMCACHE_"
+"""LMCache's settings in the environment: ``LMCACHE_`` plus its key in capitals."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +193,37 @@ def _put(out: dict[str, Setting], key: str, setting: Setting) -> None:
     out[key] = setting
 
 
+def from_lmcache_environment(env: Mapping[str, str]) -> dict[str, Setting]:
+    """``LMCACHE_*`` variables by dotted key, translated as LMCache's file keys are
+    (:mod:`.lmcache`). ConfigError naming every ``LMCACHE_*`` variable that has no
+    lmtier meaning (LMCache's variable naming its file, :data:`LMCACHE_CONFIG_ENV_VAR`,
+    is read by :func:`load_config`)."""
+    names = sorted(
+        var for var in env if var.startswith(LMCACHE_ENV_PREFIX) and var != LMCACHE_CONFIG_ENV_VAR
+    )
+    keys = {var: var[len(LMCACHE_ENV_PREFIX) :].lower() for var in names}
+    refused = [var for var in names if keys[var] not in lmcache.KEYS]
+    if refused:
+        reasons = [
+            f"{var} ({lmcache.UNSUPPORTED[keys[var]]})" if keys[var] in lmcache.UNSUPPORTED else var
+            for var in refused
+        ]
+        known = ", ".join(LMCACHE_ENV_PREFIX + key.upper() for key in lmcache.KEYS)
+        raise ConfigError(
+            f"LMCache environment variables lmtier has no use for: {'; '.join(reasons)}. "
+            f"Unset them (lmtier reads {known}, and LMTIER_* variables)"
+        )
+    out: dict[str, Setting] = {}
+    for var in names:
+        note = f" (from environment variable {var})"
+        value: Any = env[var]
+        if value.strip().lower() in ("", "none", "null"):
+            value = None
+        for key, item in _translate(keys[var], value, note):
+            _put(out, key, Setting(item, var, note))
+    return out
+
+
 def from_environment(env: Mapping[str, str]) -> dict[str, Setting]:
     """``LMTIER_*`` variables by dotted key (``LMTIER_CPU__X`` is ``cpu.x``), read by
     pydantic-settings. Any ``LMTIER_*`` name but :data:`CONFIG_ENV_VAR` that is no key
@@ -284,7 +326,8 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> LMTierConfig:
-    """Load the config: defaults < YAML file < ``LMTIER_*`` in ``env`` < ``overrides``.
+    """Load the config: defaults < YAML file < ``LMCACHE_*`` < ``LMTIER_*`` in ``env`` <
+    ``overrides``.
 
     ``path`` defaults to ``env["LMTIER_CONFIG"]``, then to an LMCache file named by
     ``env["LMCACHE_CONFIG_FILE"]``; with none, there is no file. ``env`` defaults to
@@ -304,6 +347,7 @@ def load_config(
         settings.update(
             flatten(data, f" (in {file_path})", dotted=False, lmcache_only=lmcache_file)
         )
+    settings.update(from_lmcache_environment(environ))
     settings.update(from_environment(environ))
     if overrides:
         settings.update(flatten(overrides, " (in overrides)", dotted=True))

@@ -29,7 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-from lmtier.cli import read_token_ids, token_ids_from
+from lmtier.cli import MAX_INPUT_CHARS, read_token_ids, token_ids_from
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError, InvalidTokensError
 from lmtier.ops import render
@@ -62,16 +62,24 @@ def _prompt(args: argparse.Namespace, model: Path | None) -> list[int]:
         return token_ids_from(args.file)
     if model is None:
         raise ConfigError("text needs --model DIR (its tokenizer); or pass token ids")
-    text = args.text
-    if text is None:
-        try:
-            if args.text_file == "-":
-                text = sys.stdin.read()
-            else:
-                text = Path(args.text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidTokensError(f"cannot read text from {args.text_file}: {exc}") from None
+    text = args.text if args.text is not None else _read_text(args.text_file)
     return _tokenize(model, text)
+
+
+def _read_text(name: str) -> str:
+    """The text of file ``name`` (``-``: stdin), at most MAX_INPUT_CHARS of it: a prompt,
+    not whatever a mistyped name holds (``/dev/zero`` is an error, not all of memory)."""
+    try:
+        if name == "-":
+            text = sys.stdin.read(MAX_INPUT_CHARS + 1)
+        else:
+            with Path(name).open(encoding="utf-8") as stream:
+                text = stream.read(MAX_INPUT_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidTokensError(f"cannot read text from {name}: {exc}") from None
+    if len(text) > MAX_INPUT_CHARS:
+        raise InvalidTokensError(f"{name}: more than {MAX_INPUT_CHARS} characters: not a prompt")
+    return text
 
 
 def cmd_lookup(args: argparse.Namespace, config: LMTierConfig) -> int:
@@ -111,11 +119,13 @@ def cmd_lookup(args: argparse.Namespace, config: LMTierConfig) -> int:
         return 0
     tail = len(ids) - len(found.keys) * chunk_size
     print(
-        f"{len(ids)} tokens: {len(found.keys)} full chunks of {chunk_size} "
-        f"(+{tail} tail tokens, never cached); namespace {digest}"
+        f"{render.counted(len(ids), 'token')}: {render.counted(len(found.keys), 'full chunk')} "
+        f"of {chunk_size} (+{render.counted(tail, 'tail token')}, never cached); "
+        f"namespace {digest}"
     )
     share = found.num_tokens / len(ids) if ids else None
-    print(f"cached: {found.num_tokens} tokens ({render.format_ratio(share)} of the prompt)")
+    cached = render.counted(found.num_tokens, "token")
+    print(f"cached: {cached} ({render.format_ratio(share)} of the prompt)")
     if by_tier:
         rows = [[tier, render.format_count(tokens)] for tier, tokens in by_tier.items()]
         render.print_table(["tier", "tokens"], rows)

@@ -26,7 +26,7 @@ from lmtier.model_dir import model_identity
 if TYPE_CHECKING:
     from lmtier.kv_spec import KVSpec
 
-__all__ = ["ResolvedModel", "model_settings", "resolve_model"]
+__all__ = ["ResolvedModel", "context_length", "model_settings", "resolve_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +104,26 @@ def _read_json(path: Path) -> dict[str, Any]:
     return found
 
 
+def _text_fields(directory: Path) -> dict[str, Any]:
+    """``config.json``'s settings, those of its ``text_config`` (a multimodal model's
+    language model) over the top level's."""
+    found = _read_json(directory / "config.json")
+    text = found.get("text_config")
+    return {**found, **text} if isinstance(text, dict) else found
+
+
+def context_length(directory: Path) -> int | None:
+    """The model's context (``max_position_embeddings``), or None where it says none."""
+    length = _text_fields(directory).get("max_position_embeddings")
+    return length if isinstance(length, int) and not isinstance(length, bool) else None
+
+
 def model_settings(directory: Path) -> tuple[dict[str, Any], int | None]:
     """KVSpec fields (``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype``) and the
     vocabulary size of the transformers model in ``directory`` (module docstring)."""
     from lmtier.kv_spec import KVSpec  # noqa: PLC0415 - torch
 
-    found = _read_json(directory / "config.json")
-    text = found.get("text_config")
-    fields = {**found, **text} if isinstance(text, dict) else found
+    fields = _text_fields(directory)
     dtype = fields.get("dtype") or fields.get("torch_dtype") or "float32"
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in DTYPE_ITEMSIZE:

@@ -8,7 +8,8 @@ an embedded purge's own is empty), the disk directory, Redis (SCAN + UNLINK a pa
 a time) and S3 (list + DeleteObjects by prefix).
 
 It counts first (a dry run, printed), then asks for confirmation on a terminal unless
-``--yes``; without a terminal it refuses without ``--yes``. ``--dry-run`` only counts.
+``--yes`` (any answer but yes deletes nothing, says so, and exits 2); without a
+terminal it refuses without ``--yes``. ``--dry-run`` only counts.
 Through ``--sidecar`` the sidecar purges its own tiers (a token scoped to other
 namespaces is refused). Tiers that fail or cannot list their chunks are reported, and
 the exit status is 1 then: the KV there may remain.
@@ -151,5 +152,11 @@ def _confirmed(report: dict[str, Any], total: int) -> bool:
             file=sys.stderr,
         )
         return False
-    answer = input(f"Delete {total} chunks of {report['model_id']}? [y/N] ")
-    return answer.strip().lower() in ("y", "yes")
+    try:
+        answer = input(f"Delete {total} chunks of {report['model_id']}? [y/N] ")
+    except EOFError:  # Ctrl-D: no answer is no
+        answer = ""
+    if answer.strip().lower() in ("y", "yes"):
+        return True
+    print("lmtier purge: not confirmed: nothing deleted", file=sys.stderr)
+    return False

@@ -17,6 +17,7 @@ from lmtier.config.sizes import format_size
 
 __all__ = [
     "MISSING",
+    "counted",
     "format_bytes",
     "format_count",
     "format_latency",
@@ -43,6 +44,11 @@ def have_rich() -> bool:
 def format_bytes(value: int | None) -> str:
     """``1.5 GiB``, or ``-``."""
     return MISSING if value is None else format_size(max(value, 0))
+
+
+def counted(count: int, noun: str) -> str:
+    """``1 chunk``, ``12,345 chunks``: a count and its noun, plural unless one."""
+    return f"{count:,} {noun if count == 1 else noun + 's'}"
 
 
 def format_count(value: int | None) -> str:

@@ -1,6 +1,7 @@
 """``lmtier stats``: what each tier holds and how it is doing.
 
-Per tier, in waterfall order: capacity, bytes used, chunks, pinned bytes, hits and
+Per tier, in waterfall order: capacity, bytes used, chunks, pinned bytes and pins
+refused by the tier's cap (``max_pinned_fraction``), hits and
 hit ratio, p50/p99 latency of reads, lookups and writes, failures (errors, corrupt
 and unservable chunks, calls skipped by an open breaker, writes dropped by a full
 queue), the breaker's state, the write queue's depth and evictions.
@@ -30,6 +31,7 @@ new schema name::
        {"name": str,
         "capacity_bytes": int|null, "used_bytes": int|null, "chunks": int|null,
         "pinned_bytes": int|null,          # null: the tier cannot tell (Redis, S3)
+        "pins_refused": int|null,          # past the pin cap; null: the tier does not pin
         "hits": int|null, "misses": int|null,
         "hit_ratio": float|null,           # hits / (hits + misses); null before any read
         "read_p50_s": float|null, "read_p99_s": float|null,    # null: nothing measured
@@ -70,6 +72,7 @@ TIER_FIELDS: Mapping[str, str] = MappingProxyType(
     {
         "name": "str",
         **dict.fromkeys(("capacity_bytes", "used_bytes", "chunks", "pinned_bytes"), "int|null"),
+        "pins_refused": "int|null",
         **dict.fromkeys(("hits", "misses"), "int|null"),
         "hit_ratio": "float|null",
         **{
@@ -129,6 +132,8 @@ def tier_row(name: str, entry: Mapping[str, object]) -> dict[str, Any]:
             row[f"{op}_{q}_s"] = value
     breaker = entry.get("breaker")
     row["breaker"] = breaker if isinstance(breaker, str) else None
+    if row["pinned_bytes"] is None:  # every tier counts refusals; only a pinning one has any
+        row["pins_refused"] = None
     return {field: row[field] for field in TIER_FIELDS}
 
 
@@ -224,6 +229,7 @@ def _table(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         ["used", *(render.format_bytes(t["used_bytes"]) for t in tiers)],
         ["chunks", *(render.format_count(t["chunks"]) for t in tiers)],
         ["pinned", *(render.format_bytes(t["pinned_bytes"]) for t in tiers)],
+        ["pins refused", *(render.format_count(t["pins_refused"]) for t in tiers)],
         ["hits", *(render.format_count(t["hits"]) for t in tiers)],
         ["hit ratio", *(render.format_ratio(t["hit_ratio"]) for t in tiers)],
     ]

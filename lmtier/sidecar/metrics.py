@@ -61,6 +61,7 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "evictions": ("evictions", "Chunks evicted to make room."),
     "queue_drops": ("queue_drops", "Background writes dropped because the queue was full."),
     "skipped": ("skipped", "Calls not made because the circuit breaker was open."),
+    "pins_refused": ("pins_refused", "Pins refused because they would pass the tier's pin cap."),
 }
 _TIER_COUNTERS.update(
     {

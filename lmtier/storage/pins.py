@@ -40,7 +40,7 @@ class Pins:
     persisted: a tier re-adds them from its index when it opens (:meth:`restore`).
     """
 
-    __slots__ = ("_lock", "_nbytes", "_sizes", "limit_bytes", "mode", "path", "refused")
+    __slots__ = ("_lock", "_nbytes", "_sizes", "limit_bytes", "mode", "path")
 
     def __init__(self, limit_bytes: int, path: str | None = None, mode: int = 0o600) -> None:
         if limit_bytes < 0:
@@ -49,8 +49,6 @@ class Pins:
         self.path = path
         self.mode = mode
         """Permissions of the file, whatever the umask (the keys name cached prompts)."""
-        self.refused = 0
-        """Pins refused because they would pass ``limit_bytes``."""
         self._sizes: dict[ChunkKey, int] = {}
         self._nbytes = 0
         self._lock = threading.Lock()
@@ -73,12 +71,12 @@ class Pins:
 
     def add(self, key: ChunkKey, size: int) -> bool:
         """Pin ``key`` (``size`` bytes held by the tier). True if it is pinned now
-        (already or newly); False, counted in :attr:`refused`, past the cap."""
+        (already or newly); False past the cap (the tier counts the refusal in its
+        ``stats.pins_refused``)."""
         with self._lock:
             if key in self._sizes:
                 return True
             if self._nbytes + size > self.limit_bytes:
-                self.refused += 1
                 return False
             self._sizes[key] = size
             self._nbytes += size

@@ -84,6 +84,8 @@ class TierStats:
     """Calls not made because the tier's circuit breaker was open (fast misses)."""
     purged: int = 0
     """Chunks deleted by namespace purges (:meth:`lmtier.storage.tier.Tier.purge`)."""
+    pins_refused: int = 0
+    """Pins refused because they would pass the tier's pin cap (``max_pinned_fraction``)."""
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     lookup_latency: LatencyHistogram = field(default_factory=LatencyHistogram)

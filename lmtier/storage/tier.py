@@ -314,8 +314,12 @@ class Tier(ABC):
         pinned = 0
         for key in keys:
             size = self._held_size(key)
-            if size is not None and pins.add(key, size):
+            if size is None:
+                continue
+            if pins.add(key, size):
                 pinned += 1
+            else:
+                self.stats.pins_refused += 1
         await self._pins_changed()
         return pinned
 
@@ -357,19 +361,16 @@ class Tier(ABC):
 
     def usage(self) -> dict[str, int]:
         """What the tier holds, for ``stats``: ``capacity_bytes``, ``used_bytes``,
-        ``chunks``, and ``pinned_bytes``/``pinned_chunks``/``pins_refused`` where it
-        pins. Empty (the default) for a tier that cannot tell cheaply (Redis, S3)."""
+        ``chunks``, and ``pinned_bytes``/``pinned_chunks`` where it pins (refusals are
+        counted in ``stats.pins_refused``). Empty (the default) for a tier that cannot
+        tell cheaply (Redis, S3)."""
         return {}
 
     def _pin_usage(self) -> dict[str, int]:
         pins = self.pins
         if pins is None:
             return {}
-        return {
-            "pinned_bytes": pins.nbytes,
-            "pinned_chunks": len(pins),
-            "pins_refused": pins.refused,
-        }
+        return {"pinned_bytes": pins.nbytes, "pinned_chunks": len(pins)}
 
     async def close(self) -> None:  # noqa: B027 - a no-op is the right default
         """Release connections, threads and files. Idempotent."""

@@ -24,7 +24,7 @@ def test_pinned_files_survive_eviction_and_a_restart(tmp_path: Path) -> None:
         tier = await DiskTier.open(tmp_path, 4 * CHUNK_LEN, max_pinned_fraction=0.5)
         await tier.put(chunks[:3])
         assert await tier.pin(keys[:3]) == 2, "half of 4 chunks: the third pin is refused"
-        assert tier.usage()["pins_refused"] == 1
+        assert tier.stats.pins_refused == 1
         await tier.put(chunks[3:])  # seven more through a 4-chunk tier
         assert await tier.contains(keys[:2]) == 2, "pinned, though least recently used"
         assert await tier.contains(keys[2:3]) == 0

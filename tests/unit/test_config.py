@@ -214,7 +214,7 @@ def test_empty_env_value_unsets_an_optional_field(tmp_path: Path, env: dict[str,
 
 
 def test_other_environment_variables_are_ignored(env: dict[str, str]) -> None:
-    env |= {"LMCACHE_CHUNK_SIZE": "16", "lmtier_chunk_size": "16", "XLMTIER_CHUNK_SIZE": "16"}
+    env |= {"XLMCACHE_CHUNK_SIZE": "16", "lmtier_chunk_size": "16", "XLMTIER_CHUNK_SIZE": "16"}
     assert load_config(env=env).chunk_size == 256
 
 

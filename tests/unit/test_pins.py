@@ -17,13 +17,12 @@ from lmtier.storage.pins import Pins
 from lmtier.testing import make_chunk, random_key
 
 
-def test_pins_are_capped_and_refusals_counted() -> None:
+def test_pins_are_capped() -> None:
     pins = Pins(100)
     a, b, c = random_key(), random_key(), random_key()
     assert pins.add(a, 60)
     assert pins.add(a, 60), "pinning twice is still pinned, counted once"
     assert not pins.add(b, 50), "past the cap"
-    assert pins.refused == 1
     assert pins.add(c, 40)
     assert (pins.nbytes, len(pins)) == (100, 2)
     assert pins.discard(a) and not pins.discard(a)
@@ -63,7 +62,7 @@ def test_cpu_tier_never_evicts_a_pinned_chunk() -> None:
     async def body() -> None:
         await tier.put(chunks[:2])
         assert await tier.pin(keys[:2]) == 1, "the cap holds one slab: the second is refused"
-        assert tier.usage()["pinned_chunks"] == 1 and tier.usage()["pins_refused"] == 1
+        assert tier.usage()["pinned_chunks"] == 1 and tier.stats.pins_refused == 1
         await tier.put(chunks[2:])  # four more through a 3-chunk tier
         assert keys[0] in tier, "the pinned (least recently used) chunk survived"
         assert keys[1] not in tier

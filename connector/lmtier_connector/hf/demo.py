@@ -38,10 +38,10 @@ import torch
 
 from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, parse_size
-from lmtier.config.secrets import read_secret_file
 from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.prefix_cache import DevicePrefixCache
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
+from lmtier_connector.hf.command_cache import open_command_cache, sidecar_problem
 from lmtier_connector.hf.demo_model import DemoModel, build_demo_model, load_local_model
 from lmtier_connector.hf.plot import matplotlib_problem, write_ttft_plot
 from lmtier_connector.hf.threads import set_torch_threads
@@ -292,29 +292,12 @@ def open_cache(args: argparse.Namespace, setup: DemoSetup, *, client_name: str) 
     """The embedded cache, or a client of the sidecar at ``--sidecar`` (``client_name``
     is how the sidecar's logs and metrics name this process)."""
     demo = setup.demo
-    model: dict[str, Any] = {
-        "model_id": demo.model_id,
-        "model_revision": demo.revision,
-        "vocab_size": demo.vocab_size or None,  # 0: unknown (a model read without weights)
-    }
-    if not args.sidecar:
-        return LMTier.open(setup.config, kv=setup.spec, **model)
-    token = (
-        read_secret_file(args.sidecar_token_file, "--sidecar-token-file")
-        if args.sidecar_token_file
-        else None
+    return open_command_cache(
+        args,
+        setup.config,
+        setup.spec,
+        model_id=demo.model_id,
+        revision=demo.revision,
+        vocab_size=demo.vocab_size or None,  # 0: unknown
+        client_name=client_name,
     )
-    return LMTier.connect(
-        args.sidecar, setup.config, kv=setup.spec, token=token, client_name=client_name, **model
-    )
-
-
-def sidecar_problem(args: argparse.Namespace, cache: LMTier, *, command: str) -> str | None:
-    """A one-line message when ``--sidecar`` was given and the sidecar does not answer
-    (a client that cannot reach it serves misses, which would look like a cold cache)."""
-    if args.sidecar and "sidecar" not in cache.stats():
-        return (
-            f"{command}: the sidecar at {args.sidecar} does not answer (is `lmtier "
-            "serve` running there, and is the token right?)"
-        )
-    return None

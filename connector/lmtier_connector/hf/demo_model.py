@@ -7,7 +7,9 @@ of fp32 KV per token, the model DESIGN.md's figures were measured with), and
 
 Each model comes with an id and a revision for the cache namespace: the revision
 fingerprints the weights (seed and config for the random model; config and weight
-files for a local one), so changing the model never serves stale KV.
+files for a local one), so changing the model never serves stale KV. The modeling code
+is imported when a model is built or loaded, not with this module: ``lmtier warm``
+names the demo model (:func:`demo_revision`) before it knows it must build it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,24 @@ from typing import Any
 
 import torch
 import xxhash
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from lmtier.model_dir import model_identity
 
-__all__ = ["DEMO_MODEL_ID", "DemoModel", "build_demo_model", "demo_config", "load_local_model"]
+__all__ = [
+    "DEMO_MODEL_ID",
+    "WEIGHTS_DTYPE",
+    "DemoModel",
+    "build_demo_model",
+    "demo_config",
+    "demo_revision",
+    "load_local_model",
+]
 
 DEMO_MODEL_ID = "lmtier-demo/llama-57m-random"
+WEIGHTS_DTYPE = "float32"
+"""What a local model's weights are loaded in, whatever its config says: so its KV's
+dtype too (what ``lmtier warm`` keys a directory's prompts with before loading it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +71,19 @@ def build_demo_model(seed: int = 0) -> DemoModel:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
+        from transformers import LlamaForCausalLM  # noqa: PLC0415 - the modeling code
+
         model = _untyped(LlamaForCausalLM)(config).eval()
     finally:
         torch.random.set_rng_state(generator_state)
-    fingerprint = xxhash.xxh3_64_hexdigest(config.to_json_string(use_diff=False).encode())
-    return DemoModel(model, DEMO_MODEL_ID, f"seed{seed}-{fingerprint}", config.vocab_size)
+    return DemoModel(model, DEMO_MODEL_ID, demo_revision(seed, config), config.vocab_size)
+
+
+def demo_revision(seed: int, config: LlamaConfig | None = None) -> str:
+    """The demo model's revision for ``seed``: the seed and a fingerprint of its config,
+    known without building the weights (``lmtier warm`` keys prompts before it does)."""
+    text = (config or demo_config()).to_json_string(use_diff=False)
+    return f"seed{seed}-{xxhash.xxh3_64_hexdigest(text.encode())}"
 
 
 def load_local_model(path: str | os.PathLike[str]) -> DemoModel:
@@ -72,9 +93,11 @@ def load_local_model(path: str | os.PathLike[str]) -> DemoModel:
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not a model directory")
     model_id, revision = model_identity(directory)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the modeling code
+
     model = (
         _untyped(AutoModelForCausalLM)
-        .from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        .from_pretrained(directory, local_files_only=True, dtype=getattr(torch, WEIGHTS_DTYPE))
         .eval()
     )
     return DemoModel(model, model_id, revision, int(model.config.vocab_size))

@@ -57,6 +57,7 @@ from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import ConfigError
 from lmtier.kv_spec import KVSpec
+from lmtier.model_dir import local_model_id
 from lmtier_connector.vllm.common import (
     ChunkLayout,
     ConnectorSettings,
@@ -253,7 +254,9 @@ class LMTierConnector(KVConnectorBase_V1):
         self._cache_key = (
             repr(config.to_dict(redact=False)),
             spec,
-            config.model_id or model.model,
+            # A local directory is named by its resolved path, as every lmtier command
+            # names it: `--model ./m` and `--model $PWD/m` share one namespace.
+            config.model_id or local_model_id(model.model),
             config.model_revision or (model.revision or ""),
             tp_size,
             0 if mla else rank,

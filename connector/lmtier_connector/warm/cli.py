@@ -1,5 +1,6 @@
 """``lmtier warm``'s command line (entry point ``lmtier.commands``). Heavy imports
-(torch, transformers) happen only when the command runs."""
+(torch, transformers) happen only when the command runs, and only those it needs
+(``--via`` imports neither)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from lmtier.config import LMTierConfig
 
 __all__ = ["register", "register_unpin"]
+
+EXIT_INTERRUPTED = 130  # command.EXIT_INTERRUPTED: this module must not import it yet
 
 EPILOG = """\
 inputs: JSONL files ({"prompt": ...}, {"messages": [...]}, {"tokens": [...]}), text
@@ -39,7 +42,12 @@ def register(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     warm.add_argument("inputs", nargs="*", default=["-"], help="files, directories, - (stdin)")
-    _add_model_arguments(warm)
+    _add_model_arguments(
+        warm,
+        "local model directory (tokenizer and KV geometry; computes the KV unless "
+        "--via/--prefetch); default: the built-in random demo Llama and its byte tokenizer",
+    )
+    warm.add_argument("--threads", type=int, help="torch threads (default: the usable CPUs)")
     how = warm.add_mutually_exclusive_group()
     how.add_argument(
         "--via", metavar="URL", help="send each prompt to this OpenAI-compatible engine"
@@ -84,34 +92,34 @@ def register_unpin(commands: Any) -> None:
     )
     unpin.add_argument("inputs", nargs="*", help="files, directories, - (stdin)")
     unpin.add_argument("--all", action="store_true", help="unpin every pinned chunk")
-    _add_model_arguments(unpin)
+    _add_model_arguments(
+        unpin,
+        "local model directory whose prompts were warmed (its tokenizer and KV geometry; "
+        "no weights are read); default: the built-in demo model and its byte tokenizer",
+    )
     unpin.add_argument("--json", action="store_true", help="print one JSON object")
     unpin.set_defaults(handler=_run_unpin)
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
     """The options ``warm`` and ``unpin`` share: the model, its cache, the tenant."""
-    parser.add_argument(
-        "--model",
-        metavar="DIR",
-        help="local model directory (tokenizer and KV geometry; computes the KV unless "
-        "--via/--prefetch); default: the built-in random demo Llama and its byte tokenizer",
-    )
+    parser.add_argument("--model", metavar="DIR", help=model_help)
     parser.add_argument("--seed", type=int, default=0, help="demo model seed (default 0)")
     parser.add_argument("--sidecar", metavar="URL", help="use this `lmtier serve`'s tiers")
     parser.add_argument("--sidecar-token-file", metavar="FILE", help="the sidecar's token")
     parser.add_argument("--cache-salt", default="", help="tenant salt of the KV")
     parser.add_argument("--cache-dir", metavar="DIR", help="disk tier directory (default: config)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: the usable CPUs)")
 
 
 def _run_unpin(args: argparse.Namespace, config: LMTierConfig) -> int:
-    from lmtier_connector.warm.command import run_unpin  # noqa: PLC0415 - torch
+    from lmtier_connector.warm.command import run_unpin  # noqa: PLC0415
 
     return run_unpin(args, config, out=sys.stdout, err=sys.stderr)
 
 
 def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
-    from lmtier_connector.warm.command import run_warm  # noqa: PLC0415 - torch
-
+    try:
+        from lmtier_connector.warm.command import run_warm  # noqa: PLC0415
+    except KeyboardInterrupt:  # Ctrl-C while the command is imported: nothing done yet
+        return EXIT_INTERRUPTED
     return run_warm(args, config, out=sys.stdout, err=sys.stderr)

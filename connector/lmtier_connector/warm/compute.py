@@ -14,34 +14,22 @@ prompt is never cached (the engine recomputes it, and its last token, anyway).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from lmtier.api import LMTier
-from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import LayerKV
 from lmtier_connector.hf.adapter import CachedCausalLM
 from lmtier_connector.hf.compat import output_cache
+from lmtier_connector.warm.run import WarmItem
 
 __all__ = ["ModelWarmer", "WarmItem"]
 
 
-@dataclass(slots=True)
-class WarmItem:
-    """One prompt to compute: its token ids, chunk keys, and how many leading chunks
-    the cache holds already (from the lookup that decided it needs warming)."""
-
-    tokens: list[int]
-    keys: Sequence[ChunkKey]
-    cached_chunks: int
-    stored_chunks: int = 0
-    computed_tokens: int = 0
-
-
 class ModelWarmer:
     """Computes and stores the KV of prompts with ``model`` into ``cache`` (module
-    docstring). One thread at a time, like the model."""
+    docstring): a :class:`~lmtier_connector.warm.run.Warmer`. One thread at a time,
+    like the model."""
 
     def __init__(self, model: object, cache: LMTier, *, batch_size: int = 1) -> None:
         if batch_size < 1:

@@ -22,9 +22,12 @@ optional ``"id"`` (a string or an integer, kept as a string); other keys are ign
 blank lines skipped. A text prompt is the file's exact text (UTF-8, a BOM dropped,
 a final newline kept): its tokens are the file's.
 
-Memory stays bounded whatever the input size: JSONL is read a line at a time, and
+Memory and time stay bounded whatever the input: JSONL is read a line at a time, and
 neither a line nor a text prompt may exceed ``max_prompt_bytes`` (16 MiB by default,
-far beyond any context window), so a 10 GB file is never held whole.
+far beyond any context window), so a 10 GB file is never held whole. An over-long
+JSONL line is skipped to its end, but at most :data:`SKIP_FACTOR` times the limit: a
+stream with no line end in sight (``/dev/zero``, a binary file, an endless pipe) is
+then not read any further, with an error saying so, instead of being read for ever.
 
 Bad input never stops the reading: invalid JSON, a missing or wrong-typed field, an
 empty prompt, an over-long line, an unreadable file or directory each yield a
@@ -49,11 +52,13 @@ from lmtier.errors import InvalidRequestError, brief
 __all__ = [
     "JSONL_SUFFIXES",
     "MAX_PROMPT_BYTES",
+    "SKIP_FACTOR",
     "STDIN",
     "TEXT_SUFFIXES",
     "Prompt",
     "PromptError",
     "check_length",
+    "one_line",
     "prompt_key",
     "read_prompts",
     "tokenize",
@@ -65,6 +70,9 @@ JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
 TEXT_SUFFIXES = frozenset({".txt", ".text", ".md", ".markdown", ".rst", ".prompt"})
 MAX_PROMPT_BYTES = 16 * 2**20
 """Default cap on one JSONL line or one text prompt, in bytes."""
+SKIP_FACTOR = 16
+"""An over-long line is skipped (read and dropped) for at most this many times the
+line limit (256 MiB by default): past that, the source has no line ends to find."""
 
 _BOM = b"\xef\xbb\xbf"
 _SKIP_BLOCK = 1 << 20  # how much of an over-long line is read (and dropped) at a time
@@ -180,7 +188,7 @@ def tokenize(prompt: Prompt, tokenizer: Any | None) -> list[int]:
     # this prompt's problem, reported like any other bad prompt.
     except Exception as exc:
         raise InvalidRequestError(
-            f"{prompt.source}: cannot tokenize the {prompt.kind}: {_one_line(exc)}"
+            f"{prompt.source}: cannot tokenize the {prompt.kind}: {one_line(exc)}"
         ) from exc
     ids = _token_ids(encoded, prompt.source)
     if not ids:
@@ -263,35 +271,56 @@ def _read_stream(
     lines = _lines(stream, limit)
     head: list[bytes | None] = []  # lines read to decide the kind, read again below
     if kind == "sniff":
+        held = 0  # blank lines before the first word: bounded like a text prompt
         for line in lines:
             head.append(line)
-            if line is None or line.removeprefix(_BOM).strip():
+            held += len(line or b"")
+            if line is None or held > limit or line.removeprefix(_BOM).strip():
                 break
         first = head[-1] if head else b""
         starts_json = first is not None and first.removeprefix(_BOM).lstrip()[:1] == b"{"
         kind = "jsonl" if starts_json else "text"
     if kind == "jsonl":
-        for number, line in enumerate(itertools.chain(head, lines), start=1):
-            item = _jsonl_item(line, f"{name}:{number}", limit)
-            if item is not None:
-                yield item
+        number = 0
+        try:
+            for number, line in enumerate(itertools.chain(head, lines), start=1):
+                item = _jsonl_item(line, f"{name}:{number}", limit)
+                if item is not None:
+                    yield item
+        except _Endless:
+            budget = SKIP_FACTOR * limit
+            yield PromptError(
+                f"{name}:{number}", f"no line end within {budget} bytes: the rest is not read"
+            )
         return
-    if None in head:
+    if None in head or sum(len(line or b"") for line in head) > limit:
         yield PromptError(name, f"a text prompt larger than {limit} bytes")
         return
     data = b"".join(line for line in head if line is not None)
     yield _text_prompt(name, data + _as_bytes(stream.read(max(0, limit + 1 - len(data)))), limit)
 
 
+class _Endless(Exception):
+    """An over-long line went on past its skip budget (:data:`SKIP_FACTOR`)."""
+
+
 def _lines(stream: IO[bytes] | IO[str], limit: int) -> Iterator[bytes | None]:
-    """The stream's lines as bytes; None for a line over ``limit``, read to its end and dropped."""
+    """The stream's lines as bytes; None for a line over ``limit``, dropped.
+
+    The rest of a dropped line is read (to skip it) only when the next line is asked
+    for: a caller that stops at the None (a text prompt found too large) reads no
+    more. Skipping stops with :class:`_Endless` after ``SKIP_FACTOR * limit`` bytes."""
     while line := _as_bytes(stream.readline(limit + 1)):
         if len(line) <= limit or line.endswith(b"\n"):
             yield line
             continue
-        while line and not line.endswith(b"\n"):
-            line = _as_bytes(stream.readline(_SKIP_BLOCK))
         yield None
+        skipped = len(line)
+        while line and not line.endswith(b"\n"):
+            if skipped > SKIP_FACTOR * limit:
+                raise _Endless
+            line = _as_bytes(stream.readline(_SKIP_BLOCK))
+            skipped += len(line)
 
 
 def _as_bytes(data: bytes | str) -> bytes:
@@ -423,6 +452,7 @@ def _os_problem(exc: OSError) -> str:
     return f"cannot read ({exc.strerror or exc})"
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line, at most 200 characters (its type if it has none)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 200 else text[:197] + "..."

@@ -8,10 +8,19 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-__all__ = ["Progress", "Tally"]
+from lmtier.ops.render import counted
+
+__all__ = ["Progress", "Tally", "by_tier"]
+
+
+def by_tier(counts: Mapping[str, int]) -> str:
+    """Counts per tier as a summary line shows them: ``cpu 4, disk 4`` (a negative
+    count, a tier that failed: ``redis failed``); empty for none."""
+    return ", ".join(f"{tier} {n}" if n >= 0 else f"{tier} failed" for tier, n in counts.items())
 
 
 @dataclass(slots=True)
@@ -130,16 +139,15 @@ class Progress:
         stream = out or self.stream
         state = "interrupted" if tally.interrupted else "done"
         print(
-            f"lmtier warm ({tally.mode}) {state}: {tally.prompts} prompts, {tally.warmed} "
-            f"warmed, {tally.skipped} skipped (cached), {tally.failed} failed; "
-            f"{tally.prompt_tokens:,} prompt tokens, {tally.computed_tokens:,} computed "
-            f"({tally.tokens_per_s:,.0f} tok/s), {tally.cached_tokens:,} already cached; "
-            f"{tally.seconds:.1f} s",
+            f"lmtier warm ({tally.mode}) {state}: {counted(tally.prompts, 'prompt')}, "
+            f"{tally.warmed} warmed, {tally.skipped} skipped (cached), {tally.failed} failed; "
+            f"{counted(tally.prompt_tokens, 'prompt token')}, {tally.computed_tokens:,} "
+            f"computed ({tally.tokens_per_s:,.0f} tok/s), {tally.cached_tokens:,} already "
+            f"cached; {tally.seconds:.1f} s",
             file=stream,
         )
         if tally.chunks_stored:
-            parts = ", ".join(f"{t} {n}" for t, n in tally.chunks_stored.items())
-            print(f"  chunks by tier: {parts}", file=stream)
+            print(f"  chunks by tier: {by_tier(tally.chunks_stored)}", file=stream)
         if tally.pinned:
-            print(f"  pinned by tier: {tally.pinned}", file=stream)
+            print(f"  pinned by tier: {by_tier(tally.pinned)}", file=stream)
         stream.flush()

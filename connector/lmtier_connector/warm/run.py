@@ -10,30 +10,36 @@ since the cache is flushed and closed on the way out, interrupted or not.
 Prompts shorter than one chunk are skipped too: no full chunk, nothing to cache.
 
 Modes (:class:`Warm`): ``model`` computes the KV with a local model
-(:mod:`.compute`), ``prefetch`` pulls chunks already in a shared tier (Redis, S3)
-into this node's tiers (``LMTier.prefetch_keys``), and ``via`` sends each prompt to
-a running engine (:mod:`.via`: the engine computes and saves its own KV). With
-``pin``, the chunks of every prompt warmed or found cached are pinned at the end
-(``LMTier.pin_keys``: exempt from LRU eviction within the tiers' pin caps).
+(:mod:`.compute`, through a :class:`Warmer`), ``prefetch`` pulls chunks already in a
+shared tier (Redis, S3) into this node's tiers (``LMTier.prefetch_keys``), and ``via``
+sends each prompt to a running engine (:mod:`.via`: the engine computes and saves its
+own KV). With ``pin``, the chunks of every prompt warmed or found cached are pinned at
+the end (``LMTier.pin_keys``: exempt from LRU eviction within the tiers' pin caps).
+
+The tokenizer and the model are asked for only when a prompt needs them (a text
+prompt; one not all cached), so a run with nothing to do loads neither. This module
+imports no torch: ``--via`` needs none.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import LMTierError
-from lmtier_connector.warm.compute import ModelWarmer, WarmItem
 from lmtier_connector.warm.inputs import Prompt, PromptError, check_length, tokenize
+from lmtier_connector.warm.interrupt import Interrupt
 from lmtier_connector.warm.progress import Progress, Tally
 from lmtier_connector.warm.via import EngineClient, EngineUnavailable
 
-__all__ = ["PIN_BATCH", "Warm", "warm_via"]
+if TYPE_CHECKING:
+    from lmtier.api import LMTier
+
+__all__ = ["PIN_BATCH", "Warm", "WarmItem", "Warmer", "warm_via"]
 
 PIN_BATCH = 4096
 """Keys pinned per call at the end of a run."""
@@ -42,47 +48,83 @@ GIVE_UP_AFTER = 8
 warmed (a wrong API key, a wrong model name): the rest would only fail too."""
 
 
+@dataclass(slots=True)
+class WarmItem:
+    """One prompt to compute: its token ids, chunk keys, and how many leading chunks
+    the cache holds already (from the lookup that decided it needs warming)."""
+
+    tokens: list[int]
+    keys: Sequence[ChunkKey]
+    cached_chunks: int
+    stored_chunks: int = 0
+    computed_tokens: int = 0
+
+
+class Warmer(Protocol):
+    """What computes and stores prompts' KV (:class:`.compute.ModelWarmer`, or one
+    that loads its model on the first batch): ``batch_size`` items at a time."""
+
+    batch_size: int
+
+    def warm(self, items: Sequence[WarmItem], cache_salt: str = "") -> None:
+        """Compute and store every item (``stored_chunks``, ``computed_tokens`` set)."""
+
+
 @dataclass
 class Warm:
     """One warm-up run into ``cache`` (embedded tiers or a sidecar client)."""
 
     cache: LMTier
-    tokenizer: Any
+    tokenizer: Callable[[], Any] | None
+    """Gives the tokenizer, asked only for a prompt that is not token ids; None: no
+    tokenizer (such prompts are reported)."""
     tally: Tally
     progress: Progress
-    warmer: ModelWarmer | None = None
+    warmer: Warmer | None = None
     """Set for ``model`` mode; None with ``prefetch``."""
     cache_salt: str = ""
     pin: bool = False
     max_len: int | None = None
     """The model's context: longer prompts are reported, not warmed."""
     errors: TextIO = field(default_factory=lambda: sys.stderr)
+    interrupt: Interrupt = field(default_factory=Interrupt)
+    """Checked around each prompt: a SIGINT whose KeyboardInterrupt was lost stops
+    the run all the same (:mod:`.interrupt`)."""
     _batch: list[WarmItem] = field(default_factory=list)
     _to_pin: list[ChunkKey] = field(default_factory=list)
 
     def run(self, prompts: Iterable[Prompt | PromptError]) -> None:
-        """Warm every prompt; on KeyboardInterrupt stop, marking the tally
-        ``interrupted``. Either way flush what was stored, pin, count per tier."""
+        """Warm every prompt; on KeyboardInterrupt (or a SIGINT recorded by
+        ``interrupt``) stop, marking the tally ``interrupted``. Either way flush what
+        was stored, pin, count per tier."""
         before = _puts(self.cache)
         started = time.monotonic()
         try:
             for item in prompts:
+                self.interrupt.check()
                 self._one(item)
                 self.progress.update()
+                self.interrupt.check()
             self._drain()
+            self.interrupt.check()
         except KeyboardInterrupt:
             self.tally.interrupted = True
         finally:
-            self.progress.close()
-            self.cache.flush()
-            if self.pin and not self.tally.interrupted:
-                self._pin()
-            self.tally.seconds = time.monotonic() - started
-            if self.warmer is not None:
-                after = _puts(self.cache)
-                for tier, count in after.items():
-                    if count - before.get(tier, 0) > 0:
-                        self.tally.chunks_stored[tier] = count - before.get(tier, 0)
+            with self.interrupt.deferred():
+                self._finish(before, started)
+
+    def _finish(self, before: dict[str, int], started: float) -> None:
+        self.progress.close()
+        self.cache.flush()
+        self.tally.interrupted = self.tally.interrupted or self.interrupt.received
+        if self.pin and not self.tally.interrupted:
+            self._pin()
+        self.tally.seconds = time.monotonic() - started
+        if self.warmer is not None:
+            after = _puts(self.cache)
+            for tier, count in after.items():
+                if count - before.get(tier, 0) > 0:
+                    self.tally.chunks_stored[tier] = count - before.get(tier, 0)
 
     def _one(self, item: Prompt | PromptError) -> None:
         tally = self.tally
@@ -113,7 +155,8 @@ class Warm:
             self._error(str(item))
             return None
         try:
-            tokens = tokenize(item, self.tokenizer)
+            tokenizer = self.tokenizer() if item.needs_tokenizer and self.tokenizer else None
+            tokens = tokenize(item, tokenizer)
             if self.max_len is not None and (
                 problem := check_length(tokens, self.max_len, item.source)
             ):
@@ -164,22 +207,25 @@ def warm_via(
     *,
     concurrency: int,
     errors: TextIO | None = None,
+    interrupt: Interrupt | None = None,
 ) -> None:
     """``--via``: send every prompt to the engine, ``concurrency`` at a time (an engine
     with lmtier answers an already-cached prompt from its cache, so a rerun is cheap).
-    Bad input lines and failed prompts are printed and counted; KeyboardInterrupt
-    stops the run (requests in flight finish), marking the tally ``interrupted``."""
+    Bad input lines and failed prompts are printed and counted; KeyboardInterrupt (or
+    a SIGINT recorded by ``interrupt``) stops the run, marking the tally ``interrupted``."""
     stream = errors or sys.stderr
+    stop = interrupt or Interrupt()
 
     def report(line: str) -> None:
         tally.error(line)
         print(f"lmtier warm: {line}", file=stream, flush=True)
 
     started = time.monotonic()
-    results = client.warm_all(_good(prompts, tally, report), concurrency)
+    results = client.warm_all(_good(prompts, tally, report, stop), concurrency)
     same: list[str] = []  # the last failures, while they are all the same
     try:
         for result in results:
+            stop.check()
             if result.error is not None:
                 report(f"{result.source}: {result.error}")
                 error = result.error
@@ -198,6 +244,7 @@ def warm_via(
                 tally.cached_tokens += cached
                 tally.computed_tokens += max(0, (result.prompt_tokens or 0) - cached)
             progress.update()
+        stop.check()
     except KeyboardInterrupt:
         tally.interrupted = True
     finally:
@@ -205,13 +252,18 @@ def warm_via(
         if close is not None:
             close()
         progress.close()
+        tally.interrupted = tally.interrupted or stop.received
         tally.seconds = time.monotonic() - started
 
 
 def _good(
-    prompts: Iterable[Prompt | PromptError], tally: Tally, report: Callable[[str], None]
+    prompts: Iterable[Prompt | PromptError],
+    tally: Tally,
+    report: Callable[[str], None],
+    interrupt: Interrupt,
 ) -> Iterator[Prompt]:
     for item in prompts:
+        interrupt.check()
         tally.prompts += 1
         if isinstance(item, PromptError):
             report(str(item))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 from ops_helpers import CHUNK, GEOMETRY, MODEL_ID, SPEC, run_here, run_process, store, write_config
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from lmtier import cli
+from lmtier.errors import InvalidTokensError
 from lmtier.model_dir import model_identity
 from lmtier.ops.model_args import model_settings
 
@@ -142,3 +145,30 @@ def test_bad_input_is_a_one_line_error(
     assert code == 2 and out == ""
     assert err.startswith("lmtier lookup: error: ") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_one_chunk_is_said_in_the_singular(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_path = write_config(tmp_path)
+    base = ["--config", str(config_path), "lookup", *GEOMETRY]
+    code, out, err = run_here(
+        monkeypatch, *base, "--tokens", " ".join(map(str, PROMPT[: CHUNK + 1]))
+    )
+    assert code == 0, err
+    assert out.splitlines()[0].startswith(
+        f"{CHUNK + 1} tokens: 1 full chunk of {CHUNK} (+1 tail token,"
+    )
+
+
+def test_token_ids_are_read_in_blocks_with_their_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_READ_BLOCK", 3)  # words and line ends cut across blocks
+    assert cli.read_token_ids(io.StringIO("1 22 333\n4444\n\n5 6"), "f") == [1, 22, 333, 4444, 5, 6]
+    with pytest.raises(InvalidTokensError, match=r"^f:4: 'x7' is not an integer token id$"):
+        cli.read_token_ids(io.StringIO("1 22\n333\n\nx7 8"), "f")
+
+
+def test_input_without_an_end_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "MAX_INPUT_CHARS", 1000)
+    with pytest.raises(InvalidTokensError, match=r"^f: more than 1000 characters of token ids"):
+        cli.read_token_ids(io.StringIO("1 " * 600), "f")
+    with pytest.raises(InvalidTokensError, match=r"^f:1: '\\x00\\x00.*' is not a token id$"):
+        cli.read_token_ids(io.StringIO("\0" * 900), "f")  # /dev/zero: one endless word

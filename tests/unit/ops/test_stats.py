@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from ops_helpers import CHUNK, clean_env, run_here, run_process, store, write_config
+from ops_helpers import CHUNK, SPEC, clean_env, kv_of, run_here, run_process, store, write_config
 
+from lmtier import LMTier
 from lmtier.config import load_config
 from lmtier.ops import render, stats
 from lmtier.ops.stats import SCHEMA, TIER_FIELDS, schema_problems, snapshot
@@ -214,3 +215,35 @@ def test_a_remote_tier_that_does_not_answer_shows_errors(
     redis = report["tiers"][-1]
     assert redis["name"] == "redis" and redis["errors"] >= 1
     assert redis["capacity_bytes"] is None  # Redis does not say how much it holds
+
+
+def test_pins_refused_is_shown_in_json_and_the_table() -> None:
+    entries = {
+        "disk": {**SIDECAR_STATS["disk"], "pinned_bytes": 4096.0, "pins_refused": 3.0},
+        "s3": {"hits": 0.0, "pins_refused": 0.0},  # every tier counts; s3 cannot pin
+    }
+    report = snapshot(entries, "sidecar", now=1.0)
+    assert schema_problems(report) == []
+    disk, s3 = report["tiers"]
+    assert (disk["pins_refused"], s3["pins_refused"]) == (3, None)
+    _, rows = stats._table(report)
+    assert ["pins refused", "3", "-"] in rows
+
+
+def test_embedded_json_counts_the_pins_a_tier_refused(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        disk={
+            "path": str(tmp_path / "chunks"),
+            "capacity_bytes": "64MiB",
+            "max_pinned_fraction": 0.0,
+        },
+    )
+    tokens = list(range(2 * CHUNK))
+    with LMTier.open(load_config(path), kv=SPEC, model_id="m") as cache:
+        cache.store(tokens, kv_of(tokens))
+        cache.flush()
+        assert cache.pin_keys(cache.keys(tokens))["disk"] == 0, "a cap of 0 refuses every pin"
+        report = snapshot(cache.stats(), "embedded")
+    disk = next(row for row in report["tiers"] if row["name"] == "disk")
+    assert disk["pins_refused"] == 2

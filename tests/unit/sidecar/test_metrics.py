@@ -117,6 +117,19 @@ def test_tier_stats_are_read_at_scrape_time(metrics: SidecarMetrics, server: Met
     assert types(server)["lmtier_tier_hits"] == "counter"
 
 
+def test_pins_refused_is_a_counter_with_its_meaning(
+    metrics: SidecarMetrics, server: MetricsServer
+) -> None:
+    disk = TierStats()
+    disk.pins_refused = 3
+    metrics.set_sources(lambda: {"disk": disk}, no_extra, no_gauges)
+    assert scrape(server)["lmtier_tier_pins_refused_total{tier=disk}"].value == 3
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    assert "# HELP lmtier_tier_pins_refused_total Pins refused because" in text
+
+
 def test_latency_histograms_become_prometheus_histograms(
     metrics: SidecarMetrics, server: MetricsServer
 ) -> None:

@@ -16,8 +16,10 @@ import pytest
 
 from lmtier.errors import InvalidRequestError
 from lmtier_connector.warm.inputs import (
+    SKIP_FACTOR,
     Prompt,
     PromptError,
+    _read_stream,
     check_length,
     prompt_key,
     read_prompts,
@@ -139,6 +141,51 @@ def test_a_line_over_the_limit_is_an_error_and_the_next_line_is_read(tmp_path: P
         PromptError(f"{path}:1", "line longer than 1000 bytes"),
         Prompt(source=f"{path}:2", text="after"),
     ]
+
+
+class _NoLineEnds(io.RawIOBase):
+    """``/dev/zero`` or an endless pipe: ``fill`` bytes (no line end) for ever. It fails
+    the test (rather than hang it) once far more was read than a bounded reader reads."""
+
+    def __init__(self, give_up_after: int, fill: bytes = b"\0") -> None:
+        self.served, self.give_up_after, self.fill = 0, give_up_after, fill
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.served > self.give_up_after:
+            raise AssertionError(f"read {self.served} bytes of a stream with no line end")
+        view = memoryview(buffer)
+        view[:] = self.fill * len(view)
+        self.served += len(view)
+        return len(view)
+
+
+def test_a_stream_without_line_ends_is_read_a_bounded_amount() -> None:
+    limit = 1000
+    stream = _NoLineEnds(give_up_after=100 * SKIP_FACTOR * limit)
+    with io.BufferedReader(stream) as buffered:
+        items = list(read_prompts(["-"], stdin=buffered, max_prompt_bytes=limit))
+    assert items == [PromptError("<stdin>", f"a text prompt larger than {limit} bytes")]
+    assert stream.served < 2 * limit + 2**16, "a text prompt too large: no more is read"
+
+    stream = _NoLineEnds(give_up_after=100 * SKIP_FACTOR * limit)
+    with io.BufferedReader(stream) as buffered:
+        items = list(_read_stream(buffered, "zero.jsonl", "jsonl", limit))
+    assert items == [
+        PromptError("zero.jsonl:1", f"line longer than {limit} bytes"),
+        PromptError(
+            "zero.jsonl:1", f"no line end within {SKIP_FACTOR * limit} bytes: the rest is not read"
+        ),
+    ]
+
+
+def test_endless_blank_lines_are_bounded_too() -> None:
+    stream = _NoLineEnds(give_up_after=10**6, fill=b"\n")  # `yes ''`
+    with io.BufferedReader(stream) as buffered:
+        items = list(read_prompts(["-"], stdin=buffered, max_prompt_bytes=1000))
+    assert items == [PromptError("<stdin>", "a text prompt larger than 1000 bytes")]
 
 
 # --- text files, sniffing, directories ----------------------------------------------

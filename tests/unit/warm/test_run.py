@@ -1,17 +1,24 @@
 """The ``--via`` loop's bookkeeping (lmtier_connector.warm.run.warm_via) and the summary
-schema, with an engine client stand-in: the HTTP side is tested in test_via.py."""
+schema, with an engine client stand-in: the HTTP side is tested in test_via.py. The
+cache loop (Warm) with a CPU-only cache and a warmer stand-in: what it asks for (no
+tokenizer for token ids, no model when all is cached) and how a lost SIGINT stops it."""
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import pytest
+import torch
 
+from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier_connector.warm.inputs import Prompt, PromptError
+from lmtier_connector.warm.interrupt import Interrupt
 from lmtier_connector.warm.progress import Progress, Tally
-from lmtier_connector.warm.run import GIVE_UP_AFTER, warm_via
+from lmtier_connector.warm.run import GIVE_UP_AFTER, Warm, WarmItem, warm_via
 from lmtier_connector.warm.via import EngineUnavailable, ViaResult
 
 
@@ -54,3 +61,85 @@ def test_counts_and_bad_lines() -> None:
 def test_an_engine_refusing_everything_stops_the_run() -> None:
     with pytest.raises(EngineUnavailable, match=f"refused {GIVE_UP_AFTER} prompts in a row"):
         run(Engine(error="HTTP 401: invalid API key"), prompts(50))
+
+
+# --- the cache loop (Warm) with an embedded CPU-only cache ---------------------------
+
+CHUNK = 16
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4)
+
+
+class Recorder:
+    """A Warmer that stores zeros for each item: what the model would have stored."""
+
+    batch_size = 1
+
+    def __init__(self, cache: LMTier) -> None:
+        self.cache, self.computed = cache, 0
+
+    def warm(self, items: Sequence[WarmItem], cache_salt: str = "") -> None:
+        for item in items:
+            self.computed += 1
+            kv = torch.zeros(SPEC.shape(len(item.keys) * CHUNK))
+            item.stored_chunks = self.cache.store_keys(item.keys, kv, skip=item.cached_chunks)
+
+
+@pytest.fixture
+def cache() -> Iterator[LMTier]:
+    config = LMTierConfig(
+        chunk_size=CHUNK,
+        cpu=CPUTierConfig(capacity_bytes=1 << 20),
+        disk=DiskTierConfig(enabled=False),
+    )
+    with LMTier.open(config, kv=SPEC, model_id="m") as opened:
+        yield opened
+
+
+def token_prompts(count: int) -> list[Prompt | PromptError]:
+    return [
+        Prompt(source=f"t.jsonl:{i + 1}", tokens=tuple(range(100 * i, 100 * i + 2 * CHUNK)))
+        for i in range(count)
+    ]
+
+
+def run_warm(cache: LMTier, items: Iterable[Prompt | PromptError], **kwargs: Any) -> Tally:
+    tally = Tally("model")
+    progress = Progress(tally, None, enabled=False, stream=io.StringIO())
+    Warm(cache, errors=io.StringIO(), tally=tally, progress=progress, **kwargs).run(items)
+    return tally
+
+
+def test_token_prompts_ask_for_no_tokenizer_and_cached_ones_for_no_model(cache: LMTier) -> None:
+    def no_tokenizer() -> Any:
+        raise AssertionError("token ids need no tokenizer")
+
+    warmer = Recorder(cache)
+    tally = run_warm(cache, token_prompts(3), tokenizer=no_tokenizer, warmer=warmer)
+    assert (tally.warmed, warmer.computed) == (3, 3)
+    again = run_warm(cache, token_prompts(3), tokenizer=no_tokenizer, warmer=warmer)
+    assert (again.skipped, warmer.computed) == (3, 3), "all cached: the warmer is not asked"
+
+
+def test_a_sigint_whose_exception_was_lost_stops_the_run(cache: LMTier) -> None:
+    interrupt = Interrupt()
+
+    def prompts() -> Iterator[Prompt | PromptError]:
+        items = token_prompts(4)
+        yield items[0]
+        interrupt.received = True  # the handler ran, its KeyboardInterrupt went nowhere
+        yield from items[1:]
+
+    warmer = Recorder(cache)
+    tally = run_warm(cache, prompts(), tokenizer=None, warmer=warmer, interrupt=interrupt)
+    assert tally.interrupted and (tally.warmed, warmer.computed) == (1, 1)
+
+
+def test_the_summary_names_tiers_in_words_and_counts_in_the_singular() -> None:
+    tally = Tally("model", prompts=1, warmed=1, prompt_tokens=1)
+    tally.chunks_stored, tally.pinned = {"cpu": 4, "disk": 4}, {"cpu": 4, "redis": -1}
+    out = io.StringIO()
+    Progress(tally, None, enabled=False, stream=out).summary(as_json=False)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("lmtier warm (model) done: 1 prompt, 1 warmed,")
+    assert "1 prompt token," in lines[0]
+    assert lines[1:] == ["  chunks by tier: cpu 4, disk 4", "  pinned by tier: cpu 4, redis failed"]
