@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+import yaml
 from other_user import NOBODY, OtherUser, other_user
 from sidecar_helpers import (
     CALL_TIMEOUT_S,
