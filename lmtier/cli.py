@@ -2,7 +2,10 @@
 
 Each subcommand is a small function taking parsed arguments and the config and
 returning an exit code; ``main`` builds the parser and maps lmtier's own errors to a
-one-line message and exit status 2, so users never see a traceback for bad input.
+one-line message and exit status 2, so users never see a traceback for bad input: a
+wrong option is reported with the usage of the subcommand it was given to, a module
+of an extra that is not installed says which extra to install (:mod:`lmtier.extras`),
+and Ctrl-C before a subcommand handles it itself ends the command with status 130.
 
 Packages that sit on top of the core add subcommands through the ``lmtier.commands``
 entry-point group (the core never imports them): an entry point names a function
@@ -18,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -27,10 +30,13 @@ from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import HASH_ALGORITHMS, Namespace
 from lmtier.config import LMTierConfig, chunk_size_problem, load_config
 from lmtier.errors import ConfigError, InvalidTokensError, LMTierError
+from lmtier.extras import missing_extra
 
 __all__ = ["add_namespace_arguments", "main", "read_token_ids", "token_ids_from"]
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports a command Ctrl-C ended."""
 SAMPLE_TOKENS = 1000
 """Length of the built-in ``--sample`` prompt: three full 256-token chunks and a tail."""
 
@@ -150,8 +156,41 @@ def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with two changes that every subcommand's parser inherits (an
+    entry point's ``commands.add_parser`` makes one of these): an option a subcommand
+    does not know is reported by that subcommand, with its usage, rather than by the
+    top-level parser with the list of commands (``lmtier serve --listn``); and the
+    parsed arguments carry ``command_prog``, the innermost command's name
+    (``lmtier demo serve``), for error messages."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(command_prog=self.prog)  # the innermost parser's wins
+
+    def parse_known_args(  # type: ignore[override]  # argparse's overloads
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            message = f"unrecognized arguments: {' '.join(extras)}"
+            if any(_is_global_option(extra) for extra in extras):
+                message += " (lmtier's own options, -v and --config, go before the command)"
+            self.error(message)
+        return parsed, extras
+
+
+def _is_global_option(word: str) -> bool:
+    """Whether ``word`` is an option of the top-level parser (-v, -vv, --config=...)."""
+    return (
+        word in ("--verbose", "--config")
+        or word.startswith("--config=")
+        or (len(word) > 1 and word[0] == "-" and set(word[1:]) == {"v"})
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmtier",
         description="lmtier: a multi-tier KV cache for LLM inference.",
     )
@@ -189,16 +228,30 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lmtier`` command; returns the process exit code."""
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = _build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    name = str(args.command_prog)
     try:
         config = load_config(args.config)
         code: int = args.handler(args, config)
     except LMTierError as exc:
-        print(f"lmtier {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        error = missing_extra(exc)
+        if error is None:
+            raise  # not an extra's module: a broken installation, shown as it is
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        # Ctrl-C while a command starts (imports, a model, a cache opening), before it
+        # handles signals itself: the shell's convention, without a traceback.
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `lmtier keys | head` closes the pipe early; that is not an error.
         return 0
