@@ -21,16 +21,16 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import numpy as np
-
-from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS
-from lmtier.chunks.hashers import make_hasher
-from lmtier.chunks.keys import HASH_ALGORITHMS, Namespace
-from lmtier.config import LMTierConfig, chunk_size_problem, load_config
+# Only the standard library and two small modules at import time: until main() runs,
+# Ctrl-C can only be Python's traceback, so the window before it is kept short; the
+# rest (numpy, pydantic, the chunk code) is imported by the functions that use it.
 from lmtier.errors import ConfigError, InvalidTokensError, LMTierError
 from lmtier.extras import missing_extra
+
+if TYPE_CHECKING:
+    from lmtier.config import LMTierConfig
 
 __all__ = ["add_namespace_arguments", "main", "read_token_ids", "token_ids_from"]
 
@@ -69,6 +69,8 @@ def token_ids_from(file: str | None) -> list[int]:
 
 
 def _sample_token_ids() -> list[int]:
+    import numpy as np  # noqa: PLC0415 - see the imports
+
     # A fixed pseudo-random prompt: the same keys print on every machine.
     rng = np.random.default_rng(2026)
     ids: list[int] = rng.integers(0, 32_000, size=SAMPLE_TOKENS).tolist()
@@ -76,6 +78,10 @@ def _sample_token_ids() -> list[int]:
 
 
 def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
+    from lmtier.chunks.hashers import make_hasher  # noqa: PLC0415 - see the imports
+    from lmtier.chunks.keys import Namespace  # noqa: PLC0415
+    from lmtier.config import chunk_size_problem  # noqa: PLC0415
+
     ids = _sample_token_ids() if args.sample else token_ids_from(args.file)
     chunk_size = args.chunk_size if args.chunk_size is not None else config.chunk_size
     problem = chunk_size_problem(chunk_size)
@@ -124,6 +130,9 @@ def _count(text: str) -> int:
 def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options that name a cache namespace (model, tenant, chunk size, hash, KV
     geometry) to ``parser``: ``keys`` and the commands that compute keys share them."""
+    from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS  # noqa: PLC0415 - see the imports
+    from lmtier.chunks.keys import HASH_ALGORITHMS  # noqa: PLC0415
+
     parser.add_argument("--chunk-size", type=int, help="tokens per chunk (default: config, 256)")
     parser.add_argument("--model-id", help="model id of the namespace (default: config)")
     parser.add_argument("--model-revision", help="model revision / weights fingerprint")
@@ -231,11 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
     except KeyboardInterrupt:
+        print("lmtier: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     name = str(args.command_prog)
     try:
+        from lmtier.config import load_config  # noqa: PLC0415 - see the imports
+
         config = load_config(args.config)
         code: int = args.handler(args, config)
     except LMTierError as exc:
