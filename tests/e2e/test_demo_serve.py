@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from demo_server import CHUNK, LONG_TEXT, MAX_LOGIT_DIFF, OPENER, Server
+from demo_server import CHUNK, HANG_S, LONG_TEXT, MAX_LOGIT_DIFF, OPENER, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -193,7 +193,7 @@ def test_bad_chat_and_bad_json(server: Server) -> None:
         server.url + "/v1/completions", data=b"{not json", method="POST"
     )
     with pytest.raises(urllib.error.HTTPError) as caught:
-        OPENER.open(request, timeout=60)
+        OPENER.open(request, timeout=HANG_S)
     assert caught.value.code == 400
     assert json.loads(caught.value.read())["error"]["type"] == "invalid_request_error"
 
