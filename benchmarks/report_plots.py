@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-INSTALL_HINT = "pip install 'lmtier[plot]'"
+from lmtier.extras import install_command
+
+INSTALL_HINT = install_command("plot")
 COLORS = {"met": "tab:green", "missed": "tab:red", "none": "tab:blue"}
 
 

@@ -2,7 +2,10 @@
 
 Each subcommand is a small function taking parsed arguments and the config and
 returning an exit code; ``main`` builds the parser and maps lmtier's own errors to a
-one-line message and exit status 2, so users never see a traceback for bad input.
+one-line message and exit status 2, so users never see a traceback for bad input: a
+wrong option is reported with the usage of the subcommand it was given to, a module
+of an extra that is not installed says which extra to install (:mod:`lmtier.extras`),
+and Ctrl-C before a subcommand handles it itself ends the command with status 130.
 
 Packages that sit on top of the core add subcommands through the ``lmtier.commands``
 entry-point group (the core never imports them): an entry point names a function
@@ -18,15 +21,16 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import numpy as np
-
-from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS
-from lmtier.chunks.hashers import make_hasher
-from lmtier.chunks.keys import HASH_ALGORITHMS, Namespace
-from lmtier.config import LMTierConfig, chunk_size_problem, load_config
+# Only the standard library and two small modules at import time: until main() runs,
+# Ctrl-C can only be Python's traceback, so the window before it is kept short; the
+# rest (numpy, pydantic, the chunk code) is imported by the functions that use it.
 from lmtier.errors import ConfigError, InvalidTokensError, LMTierError, brief
+from lmtier.extras import missing_extra
+
+if TYPE_CHECKING:
+    from lmtier.config import LMTierConfig
 
 __all__ = [
     "MAX_INPUT_CHARS",
@@ -42,6 +46,8 @@ MAX_INPUT_CHARS = 64 * 2**20
 far beyond any context."""
 _READ_BLOCK = 1 << 20
 _MAX_WORD = 32  # longer than any int64 token id, signs and underscores included
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports a command Ctrl-C ended."""
 SAMPLE_TOKENS = 1000
 """Length of the built-in ``--sample`` prompt: three full 256-token chunks and a tail."""
 
@@ -105,6 +111,8 @@ def token_ids_from(file: str | None) -> list[int]:
 
 
 def _sample_token_ids() -> list[int]:
+    import numpy as np  # noqa: PLC0415 - see the imports
+
     # A fixed pseudo-random prompt: the same keys print on every machine.
     rng = np.random.default_rng(2026)
     ids: list[int] = rng.integers(0, 32_000, size=SAMPLE_TOKENS).tolist()
@@ -112,6 +120,10 @@ def _sample_token_ids() -> list[int]:
 
 
 def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
+    from lmtier.chunks.hashers import make_hasher  # noqa: PLC0415 - see the imports
+    from lmtier.chunks.keys import Namespace  # noqa: PLC0415
+    from lmtier.config import chunk_size_problem  # noqa: PLC0415
+
     ids = _sample_token_ids() if args.sample else token_ids_from(args.file)
     chunk_size = args.chunk_size if args.chunk_size is not None else config.chunk_size
     problem = chunk_size_problem(chunk_size)
@@ -160,6 +172,9 @@ def _count(text: str) -> int:
 def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options that name a cache namespace (model, tenant, chunk size, hash, KV
     geometry) to ``parser``: ``keys`` and the commands that compute keys share them."""
+    from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS  # noqa: PLC0415 - see the imports
+    from lmtier.chunks.keys import HASH_ALGORITHMS  # noqa: PLC0415
+
     parser.add_argument("--chunk-size", type=int, help="tokens per chunk (default: config, 256)")
     parser.add_argument("--model-id", help="model id of the namespace (default: config)")
     parser.add_argument("--model-revision", help="model revision / weights fingerprint")
@@ -192,8 +207,41 @@ def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with two changes that every subcommand's parser inherits (an
+    entry point's ``commands.add_parser`` makes one of these): an option a subcommand
+    does not know is reported by that subcommand, with its usage, rather than by the
+    top-level parser with the list of commands (``lmtier serve --listn``); and the
+    parsed arguments carry ``command_prog``, the innermost command's name
+    (``lmtier demo serve``), for error messages."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(command_prog=self.prog)  # the innermost parser's wins
+
+    def parse_known_args(  # type: ignore[override]  # argparse's overloads
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            message = f"unrecognized arguments: {' '.join(extras)}"
+            if any(_is_global_option(extra) for extra in extras):
+                message += " (lmtier's own options, -v and --config, go before the command)"
+            self.error(message)
+        return parsed, extras
+
+
+def _is_global_option(word: str) -> bool:
+    """Whether ``word`` is an option of the top-level parser (-v, -vv, --config=...)."""
+    return (
+        word in ("--verbose", "--config")
+        or word.startswith("--config=")
+        or (len(word) > 1 and word[0] == "-" and set(word[1:]) == {"v"})
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmtier",
         description="lmtier: a multi-tier KV cache for LLM inference.",
     )
@@ -231,16 +279,33 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lmtier`` command; returns the process exit code."""
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = _build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("lmtier: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    name = str(args.command_prog)
     try:
+        from lmtier.config import load_config  # noqa: PLC0415 - see the imports
+
         config = load_config(args.config)
         code: int = args.handler(args, config)
     except LMTierError as exc:
-        print(f"lmtier {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        error = missing_extra(exc)
+        if error is None:
+            raise  # not an extra's module: a broken installation, shown as it is
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        # Ctrl-C while a command starts (imports, a model, a cache opening), before it
+        # handles signals itself: the shell's convention, without a traceback.
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `lmtier keys | head` closes the pipe early; that is not an error.
         return 0

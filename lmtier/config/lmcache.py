@@ -100,6 +100,10 @@ KEYS: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
 """LMCache key -> translator to (dotted key, raw value) pairs."""
 
 _NO_FEATURE = "lmtier has no such feature; remove the key"
+_PEER_TIER = (
+    "lmtier shares CPU tiers between nodes with its own peer tier, found through a "
+    "directory in Redis: set peer.enabled and peer.listen (docs/cluster.md)"
+)
 UNSUPPORTED: dict[str, str] = {
     "remote_serde": "lmtier stores one chunk format in every tier (no serializer to choose)",
     "save_decode_cache": "set save_decode_tokens in the vLLM connector's "
@@ -110,9 +114,9 @@ UNSUPPORTED: dict[str, str] = {
     "blend_recompute_ratios": "CacheBlend (non-prefix reuse) is not supported",
     "blend_min_tokens": "CacheBlend (non-prefix reuse) is not supported",
     "blend_special_str": "CacheBlend (non-prefix reuse) is not supported",
-    "enable_p2p": "peer-to-peer sharing is not supported yet; share through Redis or S3",
-    "lookup_url": "peer-to-peer sharing is not supported yet; share through Redis or S3",
-    "distributed_url": "peer-to-peer sharing is not supported yet; share through Redis or S3",
+    "enable_p2p": _PEER_TIER,
+    "lookup_url": _PEER_TIER,
+    "distributed_url": _PEER_TIER,
     "enable_controller": _NO_FEATURE,
     "controller_url": _NO_FEATURE,
     "lmcache_worker_port": _NO_FEATURE,

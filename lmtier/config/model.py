@@ -59,6 +59,7 @@ __all__ = [
     "RedisTierConfig",
     "S3TierConfig",
     "chunk_size_problem",
+    "cache_home",
     "default_disk_path",
     "home_dir",
 ]
@@ -214,15 +215,19 @@ def home_dir(env: Mapping[str, str] | None) -> Path:
     return Path(home) if home else Path.home()
 
 
-def default_disk_path(env: Mapping[str, str]) -> Path:
-    """``$XDG_CACHE_HOME/lmtier/chunks``, else ``~/.cache/lmtier/chunks``, from ``env``.
+def cache_home(env: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``, from ``env``: where lmtier keeps its
+    files (``lmtier/`` below it). A relative ``XDG_CACHE_HOME`` is ignored, as the
+    XDG spec requires."""
+    value = env.get("XDG_CACHE_HOME", "")
+    if value and Path(value).is_absolute():
+        return Path(value)
+    return home_dir(env) / ".cache"
 
-    A relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec requires.
-    """
-    cache_home = env.get("XDG_CACHE_HOME", "")
-    if cache_home and Path(cache_home).is_absolute():
-        return Path(cache_home) / "lmtier" / "chunks"
-    return home_dir(env) / ".cache" / "lmtier" / "chunks"
+
+def default_disk_path(env: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/lmtier/chunks``, else ``~/.cache/lmtier/chunks``, from ``env``."""
+    return cache_home(env) / "lmtier" / "chunks"
 
 
 # --- the sections -------------------------------------------------------------------

@@ -36,7 +36,8 @@ class SidecarConfig(Section):
     SECTION: ClassVar[str] = "sidecar"
     listen: Text = ""
     """``unix:///path/to.sock`` or ``host:port``. Empty: ``unix://`` a socket named
-    ``sidecar.sock`` in ``$XDG_RUNTIME_DIR/lmtier`` (else ``~/.cache/lmtier/run``). A
+    ``sidecar.sock`` in ``$XDG_RUNTIME_DIR/lmtier`` (else ``$XDG_CACHE_HOME/lmtier/run``,
+    ``~/.cache/lmtier/run``). A
     unix socket is made owner-only (0600, in a 0700 directory)."""
     allow_remote: Bool = False
     """Let a TCP listener bind an address other than loopback. A token is then

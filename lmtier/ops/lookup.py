@@ -32,6 +32,7 @@ from pathlib import Path
 from lmtier.cli import MAX_INPUT_CHARS, read_token_ids, token_ids_from
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError, InvalidTokensError
+from lmtier.extras import install_command
 from lmtier.ops import render
 from lmtier.ops.model_args import resolve_model
 
@@ -46,7 +47,7 @@ def _tokenize(directory: Path, text: str) -> list[int]:
     try:
         from tokenizers import Tokenizer  # noqa: PLC0415 - the hf extra
     except ImportError:
-        raise ConfigError("text needs the tokenizers package: pip install 'lmtier[hf]'") from None
+        raise ConfigError(f"text needs the tokenizers package: {install_command('hf')}") from None
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a plain Exception

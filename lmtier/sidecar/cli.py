@@ -63,7 +63,7 @@ def register(commands: Any) -> None:
         "--listen",
         metavar="ADDRESS",
         help="unix:///path.sock or host:port (default: sidecar.listen, else a socket in "
-        "$XDG_RUNTIME_DIR/lmtier)",
+        "$XDG_RUNTIME_DIR/lmtier, else in $XDG_CACHE_HOME/lmtier/run)",
     )
     serve.add_argument(
         "--metrics-listen", metavar="HOST:PORT", help="Prometheus /metrics (default: off)"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from lmtier.config.model import cache_home
 from lmtier.errors import ConfigError, brief
 
 if TYPE_CHECKING:
@@ -197,15 +198,14 @@ def _is_ipv4(host: str) -> bool:
 def default_listen(env: Mapping[str, str]) -> str:
     """The listen address when ``sidecar.listen`` is empty: ``unix://`` a socket named
     ``sidecar.sock`` in ``$XDG_RUNTIME_DIR/lmtier`` when that variable is an absolute
-    path (a per-user tmpfs the login manager makes 0700), else ``~/.cache/lmtier/run``.
+    path (a per-user tmpfs the login manager makes 0700), else in
+    ``$XDG_CACHE_HOME/lmtier/run`` (``~/.cache/lmtier/run``), beside the disk tier.
     """
     runtime = env.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isabs(runtime):
         folder = Path(runtime) / "lmtier"
     else:
-        home = env.get("HOME", "")
-        base = Path(home) if home and os.path.isabs(home) else Path.home()
-        folder = base / ".cache" / "lmtier" / "run"
+        folder = cache_home(env) / "lmtier" / "run"
     return f"unix://{folder / SOCKET_NAME}"
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from lmtier.config import LMTierConfig, PeerConfig
 from lmtier.errors import BackendError, ConfigError
+from lmtier.extras import missing_extra
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Tier
 
@@ -38,11 +39,18 @@ TierFactory = Callable[[Any], Awaitable[Tier]]
 
 
 def backend_factory(name: str) -> TierFactory:
-    """The registered factory of backend ``name``; ConfigError naming what is installed."""
+    """The registered factory of backend ``name``; ConfigError naming what is installed,
+    MissingExtraError naming the extra to install when its client library is not."""
     found = entry_points(group=GROUP)
     for entry in found:
         if entry.name == name:
-            factory: TierFactory = entry.load()
+            try:
+                factory: TierFactory = entry.load()
+            except ModuleNotFoundError as exc:  # redis-py or boto3 not installed
+                missing = missing_extra(exc)
+                if missing is None:
+                    raise
+                raise missing from exc
             return factory
     available = sorted(entry.name for entry in found)
     raise ConfigError(

@@ -17,6 +17,10 @@ import pytest
 
 CHUNK = 256
 READY = "lmtier demo serve: listening on "
+HANG_S = 600
+"""How long one demo process (a `lmtier demo` run, an HTTP request, a shutdown) may
+take before a test calls it hung. A hang guard, never a speed check: such a run takes
+seconds on an idle machine, and minutes at a load of 12 on 2 cores."""
 # Several chunks of 256 tokens: the demo tokenizer gives one token per byte, plus <s>.
 LONG_TEXT = " ".join(f"Paragraph {i}: the cache serves what it stored before." for i in range(24))
 MAX_LOGIT_DIFF = 1e-5
@@ -64,7 +68,7 @@ class Server:
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
         try:
-            with OPENER.open(request, timeout=240) as response:
+            with OPENER.open(request, timeout=HANG_S) as response:
                 return int(response.status), bytes(response.read())
         except urllib.error.HTTPError as error:
             with error:  # its socket, closed now rather than by the garbage collector
@@ -89,7 +93,7 @@ class Server:
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         """Send ``sig``; the exit status, once no process of the session is left."""
         self.process.send_signal(sig)
-        code = self.process.wait(timeout=120)
+        code = self.process.wait(timeout=HANG_S)
         assert self.process.stdout is not None
         self.process.stdout.close()
         with pytest.raises(ProcessLookupError):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_server import HANG_S
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -21,7 +22,7 @@ def test_demo_writes_its_plot(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lmtier.cli", "demo", "--json", "--scale", "0.1"]
     command += ["--no-disk", "--threads", "1", "--plot", str(out)]
     result = subprocess.run(
-        command, env=env, capture_output=True, text=True, check=False, timeout=300
+        command, env=env, capture_output=True, text=True, check=False, timeout=HANG_S
     )
     assert result.returncode == 0, result.stderr[-6000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["summary"]["requests"] == 9

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from demo_server import CHUNK, LONG_TEXT, MAX_LOGIT_DIFF, OPENER, Server
+from demo_server import CHUNK, HANG_S, LONG_TEXT, MAX_LOGIT_DIFF, OPENER, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -160,6 +160,13 @@ def test_streamed_chat_without_usage(server: Server) -> None:
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"max_tokens": 3}, "prompt"),
+        # Each of these got a 500 (traceback in the log) or was served as if valid; the
+        # whole table of fields is tests/unit/test_demo_requests.py.
+        ({"prompt": "x", "temperature": 1e-300}, "temperature"),
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": [True, False]}, "prompt"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "logprobs": 1}, "logprobs"),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(
@@ -178,13 +185,32 @@ def test_bad_chat_and_bad_json(server: Server) -> None:
     status, raw = server.request("/v1/chat/completions", {"messages": []})
     assert status == 400
     assert json.loads(raw)["error"]["param"] == "messages"
+    root = {"messages": [{"role": "root", "content": "x"}]}
+    status, raw = server.request("/v1/chat/completions", root)
+    assert status == 400, raw.decode()
+    assert json.loads(raw)["error"]["param"] == "messages.0.role"
     request = urllib.request.Request(
         server.url + "/v1/completions", data=b"{not json", method="POST"
     )
     with pytest.raises(urllib.error.HTTPError) as caught:
-        OPENER.open(request, timeout=60)
+        OPENER.open(request, timeout=HANG_S)
     assert caught.value.code == 400
     assert json.loads(caught.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_an_oversized_prompt_is_refused_before_it_is_tokenized(server: Server) -> None:
+    """5 MB of text held the engine for 14 s while it was tokenized, to learn it was
+    past the context; now its length alone refuses it (the message counts characters,
+    not tokens), and a body past the size limit is not even parsed (413)."""
+    status, raw = server.request("/v1/completions", {"prompt": "x" * 5_000_000})
+    assert status == 400, raw.decode()[:500]
+    error = json.loads(raw)["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith("5000000 characters of text cannot fit")
+    status, raw = server.request("/v1/completions", {"prompt": "x" * 9_000_000})
+    assert status == 413, raw.decode()[:500]
+    assert json.loads(raw)["error"]["code"] == "request_too_large"
+    assert server.post("/v1/completions", completion("still serving"))["choices"]
 
 
 def test_models_and_health(server: Server) -> None:

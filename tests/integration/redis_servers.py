@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 HOST = "127.0.0.1"
-START_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0
 CLUSTER_BUS_OFFSET = 10000  # Redis Cluster's bus listens on port + 10000
 
 

@@ -44,7 +44,7 @@ DUMMY_CREDENTIALS = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 _CLEARED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL")
-_START_TIMEOUT_S = 30.0
+_START_TIMEOUT_S = 120.0
 _INSTALL_HINT = 'install it with: pip install "moto[server]"'
 
 

@@ -70,7 +70,8 @@ Metadata = Sequence[tuple[str, str]]
 CALL_TIMEOUT_S = 30.0
 """Deadline of every call: generous, only there so that a hung sidecar fails a test
 instead of hanging it."""
-POLL_TIMEOUT_S = 30.0
+POLL_TIMEOUT_S = 120.0
+"""How long a condition is polled for: a hang guard, never reached when all is well."""
 LANE_HEADER = struct.Struct("<IB")
 """A lane frame's header: ``<u32 length><u8 method or status>`` (lmtier.sidecar.lane)."""
 

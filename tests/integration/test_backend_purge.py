@@ -153,7 +153,7 @@ def test_redis_dead_or_hung_is_a_reported_failure(tmp_path: Path) -> None:
         server.pause()  # SIGSTOP: caught by the stall check, not the 30 s deadline
         started = time.monotonic()
         assert await purge_through_manager(tier, namespace) == {"cpu": 0, "redis": PURGE_FAILED}
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 20.0  # a load's margin, still short of 30 s
         server.resume()
         tier = await RedisTier.open(server.url, timeout_s=0.3)
         server.kill()

@@ -63,7 +63,12 @@ SIDECAR_ENV = {
 }
 """Smaller pools than the config's 1.25 GiB (touched at start): room for ~90 chunks;
 a dead node leaves the peer directory 3 s after its last heartbeat, not 15."""
-GONE_TIMEOUT_S = 30.0
+GONE_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 300.0
+SETTLE_TIMEOUT_S = 600.0
+"""Hang guards, never reached when all is well: a process's exit, a start (an engine
+gets three times it), the demo's wait for a node's writes (whose deadline, reached,
+is a note, which a test counts as a failure). A loaded machine takes minutes."""
 
 
 def _gone(pid: int) -> bool:
@@ -104,6 +109,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         nodes=2,
         engine_args=["--check-logits"],
         sidecar_env=SIDECAR_ENV,
+        start_timeout_s=START_TIMEOUT_S,
     )
     try:
         local.start()
@@ -121,7 +127,13 @@ def _story(cluster: LocalCluster, **kwargs: Any) -> Story:
         Node(name, node.engine_url or "", node.metrics_url)
         for name, node in zip("AB", state.nodes, strict=True)
     ]
-    return Story(nodes, chunk_size=state.chunk_size, prompt_tokens=PROMPT_TOKENS, **kwargs)
+    return Story(
+        nodes,
+        chunk_size=state.chunk_size,
+        prompt_tokens=PROMPT_TOKENS,
+        settle_timeout_s=SETTLE_TIMEOUT_S,
+        **kwargs,
+    )
 
 
 def test_launcher_surfaces_it_depends_on(tmp_path: Path) -> None:
@@ -330,7 +342,7 @@ def test_flush_redis_empties_every_primary_of_a_redis_cluster(tmp_path: Path) ->
             assert client.dbsize(target_nodes=RedisCluster.PRIMARIES) == 0
 
 
-def _lmtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _lmtier(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lmtier.cli", "cluster", *args],
         capture_output=True,

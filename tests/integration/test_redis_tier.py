@@ -162,8 +162,8 @@ def test_open_fails_fast_when_nothing_listens() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     started = time.perf_counter()
     with pytest.raises(BackendUnavailable, match="open failed"):
-        run(RedisTier.open, url)
-    assert time.perf_counter() - started < 1.0
+        run(lambda: RedisTier.open(url, timeout_s=60.0))
+    assert time.perf_counter() - started < 20.0  # refused at once, not retried for 60 s
 
 
 def test_our_connections_pass_values_through_uncopied() -> None:
@@ -439,7 +439,10 @@ def _owns(client: Any, slot: int) -> bool:
 # --- faults through a real StorageManager ----------------------------------------------
 
 TIMEOUT_S = 0.25
-SLOW_S = TIMEOUT_S + 0.35  # a missed lookup must come back within this
+SLOW_S = TIMEOUT_S + 2.0
+"""A missed lookup comes back within this: about the timeout; one that hung on the
+stopped or dead server would not come back at all. The margin is a loaded machine's
+(it was 0.35 s, which a load of 12 on 2 cores can take from any step)."""
 
 
 async def timed_lookup(manager: StorageManager, keys: list[ChunkKey]) -> tuple[int, float]:
@@ -449,7 +452,7 @@ async def timed_lookup(manager: StorageManager, keys: list[ChunkKey]) -> tuple[i
 
 
 async def wait_for_breaker(manager: StorageManager, keys: list[ChunkKey], state: str) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a hang guard: the breaker turns within a second
     while manager.stats()["redis"]["breaker"] != state:
         assert time.monotonic() < deadline, f"breaker never became {state}"
         _, elapsed = await timed_lookup(manager, keys)
@@ -562,7 +565,8 @@ def test_close_returns_quickly_while_the_server_is_stopped(tmp_path: Path) -> No
     server = RedisServer(tmp_path / "redis").start()
 
     async def scenario() -> None:
-        tier = await RedisTier.open(server.url, timeout_s=5.0)
+        # A timeout far longer than the bounds below: close must not wait for it.
+        tier = await RedisTier.open(server.url, timeout_s=120.0)
         key, data = make_chunk(num_tokens=1024, hidden=4096)  # 32 MiB: fills socket buffers
         await tier.put([make_chunk()])
         server.pause()
@@ -574,8 +578,8 @@ def test_close_returns_quickly_while_the_server_is_stopped(tmp_path: Path) -> No
         await asyncio.sleep(0.2)
         started = time.perf_counter()
         await tier.close()
-        assert time.perf_counter() - started < 1.0
-        outcomes = await asyncio.wait_for(asyncio.gather(*stuck, return_exceptions=True), 1.0)
+        assert time.perf_counter() - started < 20.0
+        outcomes = await asyncio.wait_for(asyncio.gather(*stuck, return_exceptions=True), 20.0)
         assert all(isinstance(o, (BackendUnavailable, BackendTimeout)) for o in outcomes)
         with pytest.raises(BackendUnavailable, match="closed"):
             await tier.contains([key])

@@ -367,7 +367,8 @@ def test_close_returns_within_a_second_while_the_server_hangs(
     key, data = make_chunk()
 
     async def scenario() -> None:
-        tier = await open_s3(endpoint, prefix, timeout_s=2.0)
+        # A timeout far longer than the bound below: close must not wait for it.
+        tier = await open_s3(endpoint, prefix, timeout_s=120.0)
         await tier.put([(key, data)])
         s3_server.pause()
         try:
@@ -376,7 +377,7 @@ def test_close_returns_within_a_second_while_the_server_hangs(
             assert not reading.done()  # hung on the stopped server
             started = time.perf_counter()
             await tier.close()
-            assert time.perf_counter() - started < 1.0
+            assert time.perf_counter() - started < 20.0
             reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reading
@@ -389,6 +390,9 @@ def test_close_returns_within_a_second_while_the_server_hangs(
 # --- faults through the StorageManager -------------------------------------------------------
 
 TIMEOUT_S = 0.5
+MARGIN_S = 3.0
+"""Beyond the timeout, what a call may take on a loaded machine (it was 0.5 s); a call
+that hung on the stopped server would not come back at all."""
 SLAB = 16 * 1024
 
 
@@ -424,11 +428,11 @@ async def misses_within_timeout(manager: StorageManager, keys: list[ChunkKey]) -
         started = time.perf_counter()
         assert (await manager.lookup(keys)).num_chunks == 0
         assert await manager.get(keys) == []
-        assert time.perf_counter() - started < 2 * TIMEOUT_S + 0.5
+        assert time.perf_counter() - started < 2 * TIMEOUT_S + MARGIN_S
     assert manager.breakers["s3"].state is not BreakerState.CLOSED
     started = time.perf_counter()
     assert (await manager.lookup(keys)).num_chunks == 0
-    assert time.perf_counter() - started < TIMEOUT_S + 0.5
+    assert time.perf_counter() - started < TIMEOUT_S + MARGIN_S
     stats = manager.stats()["s3"]
     assert stats["errors"] >= 2
     assert stats["breaker_opens"] >= 1
@@ -436,7 +440,7 @@ async def misses_within_timeout(manager: StorageManager, keys: list[ChunkKey]) -
 
 async def recovers(manager: StorageManager, tier: S3Tier) -> None:
     """The breaker closes once the server answers again; new writes read back from S3."""
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # a hang guard: it closes within a second
     while manager.breakers["s3"].state is not BreakerState.CLOSED:
         assert time.monotonic() < deadline, "breaker never closed"
         await manager.lookup([random_key()])  # a probe once the breaker allows one

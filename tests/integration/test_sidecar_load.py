@@ -48,7 +48,7 @@ def private_rss(pid: int) -> int:
 
 
 def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as reply:
         text = reply.read().decode()
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):

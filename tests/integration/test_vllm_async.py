@@ -99,7 +99,7 @@ def run_until_scheduled(engine: Engine, req_id: str, steps: int = 20) -> Schedul
         engine.worker._work().loader.wait()  # the load in flight has landed
         pending = engine.connector._sched()._lookups.get(req_id)
         if pending is not None:  # a lookup answered "not yet": its answer is coming
-            pending.future.result(timeout=30)
+            pending.future.result(timeout=120)
         out, _ = engine.run_step()
         if req_id in out.num_scheduled_tokens:
             return out
@@ -212,7 +212,7 @@ def test_a_redis_hit_loads_asynchronously_bit_exact(
     request = reader.add("b", [*PROMPT, 5])
     found = reader.connector.get_num_new_matched_tokens(request, 0)
     if found[0] is None:  # a lookup slower than lookup_wait_ms: asked again
-        reader.connector._sched()._lookups["b"].future.result(timeout=30)
+        reader.connector._sched()._lookups["b"].future.result(timeout=120)
         found = reader.connector.get_num_new_matched_tokens(request, 0)
     assert found == (192, True)
     keys = chunk_keys(cache, reader.connector._sched().refs(request, 0, 3))
@@ -243,7 +243,7 @@ def test_a_slow_lookup_answers_not_yet_and_the_scheduler_goes_on(
             assert "b" not in out.num_scheduled_tokens
         finally:
             server.resume()
-        reader.connector._sched()._lookups["b"].future.result(timeout=30)
+        reader.connector._sched()._lookups["b"].future.result(timeout=120)
         out, meta = reader.run_step()  # the answer that came in the background
         (load,) = meta.loads
         assert load.asynchronous and (load.start_token, load.end_token) == (0, 192)

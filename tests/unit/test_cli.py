@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from lmtier.chunks.hashers import chunk_keys
 from lmtier.chunks.keys import Namespace
 from lmtier.cli import main
 from lmtier.config import DiskTierConfig
+from lmtier.extras import missing_extra
 
 
 def run_cli(
@@ -169,3 +171,76 @@ def test_the_cli_starts_without_torch_or_transformers(args: list[str]) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[] True"  # the demo is registered, not imported
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (["keys", "--chunk-sise", "16"], "usage: lmtier keys "),
+        (["serve", "--listn", "x"], "usage: lmtier serve "),
+        (["demo", "serve", "--prot", "1"], "usage: lmtier demo serve "),
+        (["cluster", "up", "--node", "2", "--bogus"], "usage: lmtier cluster up "),
+    ],
+)
+def test_a_wrong_option_shows_the_usage_of_its_subcommand(
+    args: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It showed the top-level usage (the list of commands) instead."""
+    with pytest.raises(SystemExit) as caught:
+        main(args)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert f"{usage.split(': ')[1].strip()}: error: unrecognized arguments: " in err
+
+
+def test_a_global_option_after_the_command_says_where_it_goes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["keys", "-v", "--sample"])
+    assert "before the command" in capsys.readouterr().err
+
+
+class _Interrupting(io.StringIO):
+    def __iter__(self) -> Any:
+        raise KeyboardInterrupt
+
+    def read(self, size: int | None = -1) -> str:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_a_command_starts_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt traceback before; 130 is what a shell reports for Ctrl-C."""
+    monkeypatch.setattr(sys, "stdin", _Interrupting())
+    assert main(["keys"]) == 130
+    assert capsys.readouterr().err == "lmtier keys: interrupted\n"
+
+
+def test_a_missing_extra_is_one_line_with_its_install_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def needs_grpc(args: Any, config: Any) -> int:
+        raise ModuleNotFoundError("No module named 'grpc'", name="grpc")
+
+    monkeypatch.setattr("lmtier.cli._cmd_keys", needs_grpc)
+    assert main(["keys", "--sample"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lmtier keys: error: {missing_extra_message('grpc')}\n"
+
+
+def missing_extra_message(module: str) -> str:
+    error = missing_extra(ModuleNotFoundError(name=module))
+    assert error is not None
+    return str(error)
+
+
+def test_a_missing_module_of_no_extra_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(args: Any, config: Any) -> int:
+        raise ModuleNotFoundError("No module named 'lmtier.nothing'", name="lmtier.nothing")
+
+    monkeypatch.setattr("lmtier.cli._cmd_keys", broken)
+    with pytest.raises(ModuleNotFoundError):
+        main(["keys", "--sample"])

@@ -942,6 +942,7 @@ def test_an_lmcache_config_file_is_read_when_lmtier_has_none(
         ("remote_serde: naive\n", "not supported by lmtier: lmtier stores one chunk format"),
         ("enable_blending: true\n", "CacheBlend"),
         ("save_decode_cache: true\n", "save_decode_tokens"),
+        ("enable_p2p: true\n", "its own peer tier.*set peer.enabled"),  # "not supported yet"
         ("chunk_sizes: 256\n", r"unknown LMCache config key 'chunk_sizes' \(did you mean"),
     ],
 )

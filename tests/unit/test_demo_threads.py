@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lmtier_connector.hf.threads import cgroup_cpu_limit, set_torch_threads, usable_cpus
+from lmtier_connector.hf.threads import (
+    cgroup_cpu_limit,
+    default_threads,
+    set_torch_threads,
+    usable_cpus,
+)
 
 
 def write(root: Path, relative: str, text: str) -> None:
@@ -74,9 +79,29 @@ def test_set_torch_threads_applies_and_restores() -> None:
     try:
         assert set_torch_threads(1) == 1
         assert torch.get_num_threads() == 1
-        assert set_torch_threads(None) == usable_cpus()
-        assert torch.get_num_threads() == usable_cpus()
+        chosen = set_torch_threads(None)
+        assert 1 <= chosen <= usable_cpus()
+        assert torch.get_num_threads() == chosen
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match=">= 1"):
         set_torch_threads(0)
+
+
+@pytest.mark.parametrize(
+    ("usable", "cpu_count", "load", "expected"),
+    [
+        (2, 2, 0.1, 2),  # an idle machine: every usable CPU
+        (2, 2, 1.0, 1),  # one busy process beside the demo: one thread (8x, not 1.5x)
+        (2, 2, 12.0, 1),  # a very loaded machine: one, never zero
+        (2, 2, 0.6, 1),  # the load rounded: 1.4 CPUs free is one
+        (8, 8, 3.4, 5),
+        (2, 64, 40.0, 2),  # a 2-CPU container on a busy 64-core host: the host has room
+        (4, 64, 62.0, 2),
+    ],
+)
+def test_the_default_leaves_the_others_their_load(
+    usable: int, cpu_count: int, load: float, expected: int
+) -> None:
+    """It used every usable CPU whatever else ran (the demo's speedup fell to 1.5x)."""
+    assert default_threads(usable, cpu_count, load) == expected

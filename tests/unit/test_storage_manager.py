@@ -156,7 +156,7 @@ def test_full_queue_drops_and_counts_instead_of_blocking() -> None:
         items = chunks(10)
         started = time.perf_counter()
         await put_all(manager, items)
-        assert time.perf_counter() - started < 1.0
+        assert time.perf_counter() - started < 10.0  # a blocked put would never return
         await asyncio.sleep(0)
         assert disk.stats.queue_drops >= 10 - 2 - 1  # queue depth 2, one batch in flight
         disk.hang = False
@@ -186,7 +186,7 @@ def test_hung_tier_times_out_into_a_miss() -> None:
         disk.hang = True
         started = time.perf_counter()
         assert (await manager.lookup([k for k, _ in items])).num_chunks == 0
-        assert time.perf_counter() - started < 1.0
+        assert time.perf_counter() - started < 10.0  # the hung tier never answers
         assert disk.stats.errors == 1
         disk.hang = False
 

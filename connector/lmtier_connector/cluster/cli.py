@@ -117,8 +117,16 @@ def _add_demo(actions: Any) -> None:
     """``lmtier cluster demo``: a local cluster's (``--dir``) or any two engines'."""
     demo = actions.add_parser(
         "demo",
-        help="node A computes, node B is served from Redis, then S3, then its own memory",
-        description="Tell the cluster's story over HTTP (lmtier_connector.cluster.demo).",
+        help="node A computes; node B is served from A's memory (peer), then Redis, then S3, "
+        "then its own memory",
+        description=(
+            "Tell the cluster's story over HTTP (lmtier_connector.cluster.demo): node A "
+            "computes P1; node B gets P1 from A's memory (the peer tier); A computes P2 and "
+            "P3 and its sidecar restarts (its memory gone); B gets P2 from Redis; Redis is "
+            "flushed, B gets P3 from S3; B gets P1 again from its own CPU tier. Against "
+            "--engine URLs (compose's client) the restart cannot be done: Redis and S3 "
+            "are skipped, with a note."
+        ),
     )
     where = demo.add_mutually_exclusive_group()
     where.add_argument("--dir", metavar="D", help="a cluster of `lmtier cluster up` (default)")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lmtier.extras import install_command
 from lmtier_connector.cluster.processes import Children, is_running
 from lmtier_connector.cluster.state import (
     ClusterError,
@@ -112,9 +113,8 @@ def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:
         import boto3  # noqa: PLC0415 - the s3 extra
         from botocore.config import Config  # noqa: PLC0415
     except ImportError as exc:
-        raise ClusterError(
-            "the cluster's S3 endpoint needs boto3: pip install 'lmtier[s3]'"
-        ) from exc
+        hint = install_command("s3")
+        raise ClusterError(f"the cluster's S3 endpoint needs boto3: {hint}") from exc
     config = Config(
         connect_timeout=PROBE_TIMEOUT_S,
         read_timeout=PROBE_TIMEOUT_S,

@@ -28,10 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import yaml
 
 from lmtier.errors import ConfigError
+from lmtier.extras import require
 from lmtier_connector.cluster import commands, health
 from lmtier_connector.cluster.processes import is_running, spawn, stop_processes
 from lmtier_connector.cluster.state import (
@@ -41,11 +43,12 @@ from lmtier_connector.cluster.state import (
     ClusterState,
     NodeInfo,
     ProcessInfo,
+    forget_state,
     read_state,
 )
 from lmtier_connector.cluster.trust import TrustFiles, ensure_trust
 
-__all__ = ["CONFIG_FILES", "LocalCluster", "default_directory", "find_deploy_dir"]
+__all__ = ["CLUSTER_EXTRAS", "CONFIG_FILES", "LocalCluster", "default_directory", "find_deploy_dir"]
 
 CONFIG_FILES = {
     "sidecar": Path("deploy/cluster/sidecar.yaml"),
@@ -53,6 +56,9 @@ CONFIG_FILES = {
 }
 """The config files of a node's sidecar and engine, relative to the repository root:
 the ones docker-compose.yml mounts (a test compares the two)."""
+CLUSTER_EXTRAS = ("grpc", "serve", "hf", "redis", "s3", "cluster")
+"""What the processes import: the sidecars (grpc; their Redis and S3 tiers), the
+engines (serve, hf) and the launcher's probes (redis, s3)."""
 START_TIMEOUT_S = 60.0
 """Redis, S3 and the sidecars; an engine gets three times this (torch and the model)."""
 STOP_TIMEOUT_S = {"engine": 30.0, "sidecar": 40.0, "shared": 15.0}
@@ -163,10 +169,28 @@ class LocalCluster:
 
     def start(self) -> ClusterState:
         """Start every process and wait until each is ready; on any failure, stop what
-        started and raise ClusterError (naming the log to read)."""
+        started, remove ``cluster.json`` (no later command may take the dead processes
+        for a cluster) and raise ClusterError (naming the log to read). The extras the
+        processes need are checked first, before anything is written."""
+        require(*CLUSTER_EXTRAS, what="a local cluster")
         deploy_dir = find_deploy_dir(self._deploy_dir)
         self._refuse_running_cluster()
         settings = yaml.safe_load((deploy_dir / CONFIG_FILES["sidecar"]).read_text()) or {}
+        # From here on a cluster.json in the directory is this start's, or a dead one's.
+        try:
+            self._prepare(deploy_dir, settings)
+            self._start_redis()
+            self._start_s3()
+            self._start_sidecars(deploy_dir / CONFIG_FILES["sidecar"])
+            self._start_engines(deploy_dir / CONFIG_FILES["engine"])
+        except BaseException:
+            self.down()
+            forget_state(self.directory)
+            raise
+        return self.state
+
+    def _prepare(self, deploy_dir: Path, settings: dict[str, Any]) -> None:
+        """The directory (owner-only), fresh secrets and the first ``cluster.json``."""
         try:
             for sub in ("logs", "redis", "s3"):
                 (self.directory / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -183,15 +207,6 @@ class LocalCluster:
             bucket=str(settings.get("s3", {}).get("bucket", "lmtier")),
         )
         self._state.save()
-        try:
-            self._start_redis()
-            self._start_s3()
-            self._start_sidecars(deploy_dir / CONFIG_FILES["sidecar"])
-            self._start_engines(deploy_dir / CONFIG_FILES["engine"])
-        except BaseException:
-            self.down()
-            raise
-        return self._state
 
     def _refuse_running_cluster(self) -> None:
         try:

@@ -27,6 +27,7 @@ __all__ = [
     "ClusterState",
     "NodeInfo",
     "ProcessInfo",
+    "forget_state",
     "read_state",
     "write_private",
 ]
@@ -170,6 +171,12 @@ class ClusterState:
     def save(self) -> None:
         path = Path(self.directory) / STATE_FILE
         write_private(path, json.dumps(asdict(self), indent=2) + "\n")
+
+
+def forget_state(directory: Path) -> None:
+    """Remove ``cluster.json`` from ``directory`` (a start that failed: its processes
+    are stopped, and no later ``status``, ``demo`` or ``down`` may find them)."""
+    (directory / STATE_FILE).unlink(missing_ok=True)
 
 
 def read_state(directory: Path) -> ClusterState:

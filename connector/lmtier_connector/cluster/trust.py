@@ -34,6 +34,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmtier.extras import install_command
 from lmtier_connector.cluster.state import ClusterError, write_private
 
 __all__ = ["SERVER_NAME", "TrustFiles", "ensure_trust"]
@@ -109,7 +110,8 @@ def _certificates() -> tuple[str, str, str]:
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: PLC0415
     except ImportError:
         raise ClusterError(
-            "the cluster's TLS certificates need cryptography: pip install 'lmtier[cluster]'"
+            "the cluster's TLS certificates need cryptography (the 'cluster' extra): "
+            + install_command("cluster")
         ) from None
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=VALID_DAYS)

@@ -76,8 +76,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=_threads,
         metavar="N",
         help=(
-            "torch intra-op threads (default: the CPUs this process may use: its affinity "
-            "mask, capped by a container's cgroup CPU quota)"
+            "torch intra-op threads (default: the CPUs this process may use, its affinity "
+            "mask capped by a container's cgroup CPU quota, less those the machine's load "
+            "average says other processes keep busy; at least 1)"
         ),
     )
 

@@ -276,7 +276,9 @@ def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
         where = "off" if not config.disk.enabled else str(config.disk.path)
         tiers = f"sidecar: {args.sidecar}" if args.sidecar else f"disk tier: {where}"
         chunk = config.chunk_size
-        print(f"model {demo.model_id} ({demo.revision}), chunk {chunk} tokens, {tiers}\n")
+        threads = f"{setup.threads} torch thread{'s' if setup.threads > 1 else ''}"
+        head = f"model {demo.model_id} ({demo.revision}), chunk {chunk} tokens"
+        print(f"{head}, {tiers}, {threads}\n")
         print_table(rows, summary)
     if args.plot:
         title = (

@@ -6,14 +6,18 @@ of fp32 KV per token, the model DESIGN.md's figures were measured with), and
 ``load_local_model`` only reads a directory already on disk.
 
 Each model comes with an id and a revision for the cache namespace: the revision
-fingerprints the weights (seed and config for the random model; config and weight
-files for a local one), so changing the model never serves stale KV. The modeling code
-is imported when a model is built or loaded, not with this module: ``lmtier warm``
-names the demo model (:func:`demo_revision`) before it knows it must build it.
+fingerprints the weights (for the random model its seed, its config and the weights
+drawn; config and weight files for a local one), so changing the model never serves
+stale KV, and nothing else changes it: the random model's revision once hashed its
+whole config JSON, whose ``transformers_version`` made every upgrade or downgrade of
+transformers (``.ci/run`` pinned an older one) a new model with equal weights and a
+cold cache. The modeling code is imported when a model is built or loaded, not with
+this module.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,14 +80,22 @@ def build_demo_model(seed: int = 0) -> DemoModel:
         model = _untyped(LlamaForCausalLM)(config).eval()
     finally:
         torch.random.set_rng_state(generator_state)
-    return DemoModel(model, DEMO_MODEL_ID, demo_revision(seed, config), config.vocab_size)
+    return DemoModel(model, DEMO_MODEL_ID, demo_revision(model, seed), config.vocab_size)
 
 
-def demo_revision(seed: int, config: LlamaConfig | None = None) -> str:
-    """The demo model's revision for ``seed``: the seed and a fingerprint of its config,
-    known without building the weights (``lmtier warm`` keys prompts before it does)."""
-    text = (config or demo_config()).to_json_string(use_diff=False)
-    return f"seed{seed}-{xxhash.xxh3_64_hexdigest(text.encode())}"
+def demo_revision(model: Any, seed: int) -> str:
+    """The random model's revision: ``seed<seed>-`` and an xxh3-64 of what makes its KV,
+    the config without the transformers version that wrote it (the architecture, its
+    defaults included, which a transformers version could change) and every weight's
+    name and bytes (which its initialisation code could change): ~25 ms for 57M
+    parameters."""
+    settings = model.config.to_dict()
+    settings.pop("transformers_version", None)
+    digest = xxhash.xxh3_64(json.dumps(settings, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().data)
+    return f"seed{seed}-{digest.hexdigest()}"
 
 
 def load_local_model(path: str | os.PathLike[str]) -> DemoModel:

@@ -3,7 +3,7 @@ decoding, one request at a time.
 
 :class:`Engine` turns a request into token ids, checks it against the model (an empty
 prompt, a prompt or a reply past the context, token ids outside the vocabulary: an
-:class:`ApiError`, answered with HTTP 400), then runs it: the prefill through
+:class:`~.openai_requests.ApiError`, answered with HTTP 400), then runs it: the prefill through
 :class:`~lmtier_connector.hf.adapter.CachedCausalLM` (the cached prefix is loaded, the
 prompt's new chunks stored), then greedy or temperature sampling, one token at a time,
 so a stream sends each token as soon as it exists. It knows nothing of HTTP
@@ -32,13 +32,13 @@ from typing import Any
 import anyio.to_thread
 import torch
 
-from lmtier.errors import InvalidRequestError
+from lmtier.errors import brief
 from lmtier_connector.hf.adapter import CachedCausalLM
 from lmtier_connector.hf.compat import call_with_cache
 from lmtier_connector.hf.demo_tokenizer import CHAT_TEMPLATE, demo_tokenizer
+from lmtier_connector.hf.openai_requests import ApiError, RequestLimits
 
 __all__ = [
-    "ApiError",
     "AsyncEngine",
     "Engine",
     "Outcome",
@@ -51,16 +51,6 @@ __all__ = [
 _REPLACEMENT = "\ufffd"
 
 
-class ApiError(InvalidRequestError):
-    """A request the engine cannot serve, answered with HTTP 400 and OpenAI's error body;
-    ``param`` names the request field, ``code`` is OpenAI's machine-readable code."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
 class TextCodec:
     """A transformers tokenizer, used as ``lmtier warm`` uses it, so both turn the same
     prompt into the same token ids (and so the same chunk keys): text with the
@@ -70,18 +60,33 @@ class TextCodec:
     Decoding shows an id the tokenizer does not know (the random demo model draws from
     32000 ids, its byte tokenizer knows 259) as ``<|id|>`` rather than dropping it, so
     every generated token is visible in the text.
+
+    Its methods may be called from several threads (the server tokenizes prompts in
+    worker threads): a lock serializes them, as a transformers tokenizer's call
+    changes its own truncation state and may not be re-entered.
     """
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self._lock = threading.Lock()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         """Tokens that end a reply (finish_reason "stop")."""
         self._known = len(tokenizer)
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        """The longest entry of the vocabulary, in characters: no token stands for more
+        text (a byte-level entry is one character per byte; a special token, which text
+        may spell out, its whole name), so text longer than the context times this
+        cannot fit it."""
 
     def encode(self, text: str) -> list[int]:
-        return _ids(self.tokenizer(text, add_special_tokens=True))
+        with self._lock:
+            return _ids(self.tokenizer(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self._decode(ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
         pieces: list[str] = []
         run: list[int] = []
         for token in ids:
@@ -101,9 +106,10 @@ class TextCodec:
         conversation = [{"role": role, "content": text} for role, text in messages]
         template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                conversation, chat_template=template, tokenize=True, add_generation_prompt=True
-            )
+            with self._lock:
+                encoded = self.tokenizer.apply_chat_template(
+                    conversation, chat_template=template, tokenize=True, add_generation_prompt=True
+                )
         except Exception as exc:  # a template is user-supplied Jinja: whatever it raises
             message = f"the chat template refused the messages: {exc}"
             raise ApiError(message, param="messages") from exc
@@ -213,26 +219,22 @@ class Engine:
         """ApiError unless ``name`` is None or the served model's name."""
         if name is not None and name != self.name:
             raise ApiError(
-                f"the model {name!r} does not exist: this server serves {self.name!r}",
+                f"the model {brief(name)} does not exist: this server serves {self.name!r}",
                 param="model",
                 code="model_not_found",
             )
 
-    def prompt_ids(self, prompt: object) -> list[int]:
-        """A completion's prompt (text, token ids, or a list holding one of those) as
-        token ids, checked against the vocabulary."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ApiError("one prompt per request, not a batch", param="prompt")
-            prompt = prompt[0]
+    @property
+    def limits(self) -> RequestLimits:
+        """The request sizes this engine's context and tokenizer allow."""
+        return RequestLimits(self.max_model_len, self.codec.max_token_chars)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion's prompt (text, or token ids) as token ids, checked against the
+        vocabulary."""
         if prompt in ("", []):  # before the tokenizer, which would add a BOS to ""
             raise ApiError("the prompt is empty", param="prompt")
-        if isinstance(prompt, str):
-            ids = self.codec.encode(prompt)
-        elif isinstance(prompt, list) and all(type(i) is int for i in prompt):
-            ids = list(prompt)
-        else:
-            raise ApiError("the prompt must be text or a list of token ids", param="prompt")
+        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError("the prompt is empty", param="prompt")
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

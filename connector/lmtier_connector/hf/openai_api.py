@@ -1,15 +1,11 @@
-"""The OpenAI API subset ``lmtier demo serve`` speaks: request and response bodies.
+"""The responses of the OpenAI API subset ``lmtier demo serve`` speaks (its requests
+are :mod:`.openai_requests`).
 
 Field names, defaults and shapes follow OpenAI's completions and chat completions API
 as vLLM serves it (``/v1/completions``, ``/v1/chat/completions``, streamed as
 server-sent events), so OpenAI clients, vLLM's benchmarks and ``lmtier warm --via``
-work against either. Beyond OpenAI's fields, requests take vLLM's ``cache_salt`` (a
-tenant's own cache keys) and ``return_token_ids``, and the usage block carries
-``lmtier``: the cached tokens per serving tier and the engine's TTFT.
-
-Requests ignore fields they do not know (as OpenAI's SDK sends some the demo engine
-has no use for, ``user`` or ``logprobs: false``), but reject sampling options they
-cannot honour (``n`` > 1, ``stop``, ``top_p`` < 1) instead of silently ignoring them.
+work against either. Beyond OpenAI's fields, the usage block carries ``lmtier``: the
+cached tokens per serving tier and the engine's TTFT; errors have OpenAI's body.
 """
 
 from __future__ import annotations
@@ -17,14 +13,11 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field
 
 __all__ = [
     "ChatCompletionChunk",
-    "ChatCompletionRequest",
     "ChatCompletionResponse",
-    "ChatMessage",
-    "CompletionRequest",
     "CompletionResponse",
     "ErrorResponse",
     "LMTierUsage",
@@ -34,105 +27,12 @@ __all__ = [
     "sse_event",
 ]
 
-DEFAULT_MAX_TOKENS = 16
-"""Tokens generated when a request gives no ``max_tokens`` (OpenAI's completions
-default; the demo engine uses it for chat too, where OpenAI's is "until the context
-ends", which on a CPU would be minutes)."""
 SSE_DONE = "data: [DONE]\n\n"
 """The last event of every stream, as OpenAI and vLLM send it."""
 
 
 def _is_none(value: object) -> bool:
     return value is None
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool = False
-
-
-class _Request(BaseModel):
-    """The fields completions and chat completions share."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = Field(default=None, description="None: the served model")
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0: greedy")
-    seed: int | None = Field(default=None, description="sampling seed (temperature > 0)")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    cache_salt: str | None = Field(default=None, description="vLLM's: a tenant's own keys")
-    return_token_ids: bool = Field(default=False, description="vLLM's: add the token ids")
-
-    @field_validator("top_p")
-    @classmethod
-    def _full_top_p(cls, value: float | None) -> float | None:
-        if value is not None and value != 1.0:
-            raise ValueError("the demo engine samples from the full distribution: top_p 1 only")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _no_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if value:
-            raise ValueError("stop sequences are not supported by the demo engine")
-        return value
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk (non-streamed responses always have
-        their usage)."""
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-class CompletionRequest(_Request):
-    """``POST /v1/completions``: one prompt, as text or as token ids (a list holding one
-    prompt is accepted too; batches of several are not)."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    """One message; ``content`` is text or a list of text parts."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        """The message's text (text parts joined); ValueError for any other part."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        for part in self.content:
-            if part.type != "text":
-                raise ValueError(f"the demo engine takes text only, not {part.type!r} parts")
-        return "".join(part.text or "" for part in self.content)
-
-
-class ChatCompletionRequest(_Request):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` is OpenAI's newer name
-    for ``max_tokens`` and wins when both are given."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-    def token_budget(self) -> int:
-        """The most tokens to generate."""
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
 
 class LMTierUsage(BaseModel):

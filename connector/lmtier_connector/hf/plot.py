@@ -5,18 +5,19 @@ prefill through lmtier, coloured by the tier that served most of its cached toke
 (``none`` when nothing was cached). A picture shows at once what the table says row
 by row: which requests the cache helped, and from where.
 
-matplotlib is an optional extra (``pip install 'lmtier[plot]'``), imported only here
-and only when a plot is drawn. The figure is drawn on a ``Figure`` with the Agg
+matplotlib is an optional extra (``plot``), imported only here and only when a plot
+is drawn. The figure is drawn on a ``Figure`` with the Agg
 canvas, not through ``pyplot``: no global backend switch, no GUI, no state left
 behind in the process.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from lmtier.extras import MissingExtraError, require
 
 if TYPE_CHECKING:
     from lmtier_connector.hf.demo import DemoRow
@@ -40,8 +41,10 @@ _OTHER_TIER_COLOR = "#000000"
 def matplotlib_problem() -> str | None:
     """A one-line message when matplotlib cannot be imported, else None; checked before
     the demo runs, so a missing extra does not cost a whole run."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib: pip install 'lmtier[plot]'"
+    try:
+        require("plot", what="--plot")
+    except MissingExtraError as exc:
+        return str(exc)
     return None
 
 

@@ -12,8 +12,12 @@ answers the same requests.
 One request runs at a time (:class:`~.engine.AsyncEngine`), the model's work in a
 worker thread while the event loop keeps accepting connections; a stream holds the
 engine until its last token, and a client that goes away ends it at the next token.
-A bad request gets HTTP 400 with OpenAI's error body; an unexpected failure gets a
-500 with the same body (the traceback goes to the server's log only).
+Every request passes :mod:`.openai_requests` first: its body read within a size limit
+and each field's type, range and size checked before the prompt is tokenized (in a
+worker thread, so that a long text holds neither the loop nor the engine). A bad
+request gets HTTP 400 (413 for a body too large) with OpenAI's error body; an
+unexpected failure gets a 500 with the same body (the traceback goes to the server's
+log only).
 
 Start-up prints ``lmtier demo serve: listening on http://HOST:PORT`` once the socket
 accepts connections (``--port 0`` binds a free port, which that line names). SIGTERM
@@ -36,9 +40,9 @@ from collections.abc import AsyncIterator
 from types import FrameType
 from typing import Any
 
+import anyio.to_thread
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -46,7 +50,6 @@ from lmtier.config import LMTierConfig
 from lmtier_connector.hf.adapter import CachedCausalLM
 from lmtier_connector.hf.demo import open_cache, set_up, sidecar_problem
 from lmtier_connector.hf.engine import (
-    ApiError,
     AsyncEngine,
     Engine,
     Outcome,
@@ -55,16 +58,13 @@ from lmtier_connector.hf.engine import (
     load_codec,
 )
 from lmtier_connector.hf.openai_api import (
-    DEFAULT_MAX_TOKENS,
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     Delta,
     LMTierUsage,
@@ -74,6 +74,14 @@ from lmtier_connector.hf.openai_api import (
     Usage,
     error_body,
     sse_event,
+)
+from lmtier_connector.hf.openai_requests import (
+    DEFAULT_MAX_TOKENS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    read_body,
 )
 
 __all__ = ["build_app", "cmd_serve"]
@@ -138,9 +146,10 @@ def build_app(engine: Engine) -> FastAPI:
         return ModelList(data=[card]).model_dump()
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> Response:
+    async def completions(http: Request) -> Response:
+        request = parse_request(CompletionRequest, await read_body(http), engine.limits)
         engine.check_model(request.model)
-        outcome = Outcome(engine.prompt_ids(request.prompt))
+        outcome = Outcome(await anyio.to_thread.run_sync(engine.prompt_ids, request.prompt))
         max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
         params = _params(engine, request, max_tokens, len(outcome.prompt_ids))
         head = _head("cmpl", engine)
@@ -160,13 +169,11 @@ def build_app(engine: Engine) -> FastAPI:
         return JSONResponse(body.model_dump())
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
+    async def chat_completions(http: Request) -> Response:
+        request = parse_request(ChatCompletionRequest, await read_body(http), engine.limits)
         engine.check_model(request.model)
-        try:
-            messages = [(message.role, message.text()) for message in request.messages]
-        except ValueError as exc:
-            raise ApiError(str(exc), param="messages") from exc
-        outcome = Outcome(engine.chat_ids(messages))
+        messages = [(message.role, message.text()) for message in request.messages]
+        outcome = Outcome(await anyio.to_thread.run_sync(engine.chat_ids, messages))
         params = _params(engine, request, request.token_budget(), len(outcome.prompt_ids))
         head = _head("chatcmpl", engine)
         if request.stream:
@@ -252,23 +259,13 @@ async def _chat_events(
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's body: 400 for bad requests (the engine's checks, and
-    FastAPI's validation, which would answer 422), the HTTP errors of routing (404,
-    405) with their status, 500 for anything else."""
+    """Every error as OpenAI's body: 400 (or 413) for bad requests, the HTTP errors of
+    routing (404, 405) with their status, 500 for anything else."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), param=exc.param, code=exc.code), 400)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(error_body("the request body is not valid JSON"), 400)
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        message = str(first.get("msg", "invalid request"))
-        text = f"{where}: {message}" if where else message
-        return JSONResponse(error_body(text, param=where or None), 400)
+        body = error_body(str(exc), param=exc.param, code=exc.code)
+        return JSONResponse(body, exc.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -2,15 +2,18 @@
 needs it: its identity and KV geometry first, from files alone; its tokenizer when a
 prompt is text or chat messages; its weights when a prompt is not all cached.
 
-So a warm with nothing left to do opens the cache and looks its prompts up without
-importing or building a model (seconds), and a model directory with weights and
-``config.json`` but no tokenizer files warms token-id prompts (they need none).
+So a warm of ``--model DIR`` with nothing left to do opens the cache and looks its
+prompts up without importing or loading a model (seconds), and a model directory with
+weights and ``config.json`` but no tokenizer files warms token-id prompts (they need
+none). The random demo model is built first: its revision hashes the weights it
+drew (:func:`~lmtier_connector.hf.demo_model.demo_revision`), so that a transformers
+release initialising differently can never be served another release's KV.
 
 The namespace is the one the loaded model gives, and :meth:`WarmModel.load` checks
 it: a directory's id and revision are :func:`lmtier.model_dir.model_identity`'s, its
 geometry ``config.json``'s, and its KV dtype the one its weights are loaded in
 (:data:`~lmtier_connector.hf.demo_model.WEIGHTS_DTYPE`, whatever the config says);
-the demo model's come from its config and seed.
+the demo model's from the model built.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,8 @@ class WarmModel:
     directory: str | None
     """``--model DIR``; None: the demo model of ``seed``."""
     seed: int = 0
+    built: Any = field(default=None, compare=False, repr=False)
+    """The demo model, built to name it (None for a directory)."""
 
     def open_cache(self, args: argparse.Namespace, config: Any, command: str) -> LMTier:
         """The cache of this model's namespace: embedded, or ``--sidecar``'s."""
@@ -81,7 +86,7 @@ class WarmModel:
         quiet: Any = hf_logging.disable_progress_bar  # untyped in transformers
         quiet()  # warm draws its own bar; transformers' "Loading weights" leaked into it
         loaded = load_local_model(self.directory) if self.directory else None
-        demo = loaded or build_demo_model(self.seed)
+        demo = loaded or self.built or build_demo_model(self.seed)
         found = (demo.model_id, demo.revision, kv_spec_of(demo.model))
         if found != (self.model_id, self.revision, self.spec):  # a bug, not bad input
             raise RuntimeError(
@@ -103,17 +108,15 @@ def warm_model(directory: str | None, seed: int = 0) -> WarmModel:
         fields, vocab = model_settings(path)
         spec = KVSpec(**{**fields, "dtype": _WEIGHTS_DTYPE})
         return WarmModel(model_id, revision, spec, vocab, context_length(path), directory)
-    from lmtier_connector.hf.demo_model import (  # noqa: PLC0415 - transformers' config
-        DEMO_MODEL_ID,
-        demo_config,
-        demo_revision,
-    )
+    from lmtier_connector.hf.demo_model import build_demo_model  # noqa: PLC0415 - torch
 
-    config = demo_config()
+    demo = build_demo_model(seed)
+    config = demo.model.config
     spec = KVSpec.from_hf_config(config, dtype=_WEIGHTS_DTYPE)
     context = int(config.max_position_embeddings)
-    revision = demo_revision(seed, config)
-    return WarmModel(DEMO_MODEL_ID, revision, spec, config.vocab_size, context, None, seed)
+    return WarmModel(
+        demo.model_id, demo.revision, spec, config.vocab_size, context, None, seed, demo
+    )
 
 
 class LazyTokenizer:

@@ -154,7 +154,7 @@ def test_watch_redraws_until_ctrl_c_then_exits_0(config_path: Path) -> None:
         assert process.stdout is not None
         first, second = process.stdout.readline(), process.stdout.readline()
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=60)
+        _, err = process.communicate(timeout=300)
     assert process.returncode == 0, err
     assert "Traceback" not in err
     assert schema_problems(json.loads(first)) == schema_problems(json.loads(second)) == []

@@ -128,6 +128,13 @@ def test_default_listen(tmp_path: Path) -> None:
     bare = default_listen({})
     assert bare == f"unix://{Path.home()}/.cache/lmtier/run/sidecar.sock"
     assert parse_listen(bare).kind == "unix"
+    # Without a runtime directory, the socket goes where the cache goes (it ignored
+    # XDG_CACHE_HOME, as the disk tier does not); a relative one is ignored.
+    cache = {"XDG_CACHE_HOME": "/srv/cache", "HOME": "/home/u"}
+    assert default_listen(cache) == "unix:///srv/cache/lmtier/run/sidecar.sock"
+    relative_cache = {"XDG_CACHE_HOME": "cache", "HOME": "/home/u"}
+    assert default_listen(relative_cache) == default_listen(relative)
+    assert default_listen({**cache, **runtime}) == default_listen(runtime)
 
 
 # --- the remote-listener policy --------------------------------------------------------
