@@ -244,3 +244,19 @@ def test_a_missing_module_of_no_extra_is_not_hidden(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr("lmtier.cli._cmd_keys", broken)
     with pytest.raises(ModuleNotFoundError):
         main(["keys", "--sample"])
+
+
+@pytest.mark.parametrize("command", ["demo", "warm"])
+def test_a_model_directory_that_is_none_is_one_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--model`` naming a directory without config.json: a FileNotFoundError
+    traceback from the demo before."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2, 3]}\n')
+    argv = [command, "--model", str(tmp_path / "nope")] + (
+        [str(prompts)] if command == "warm" else []
+    )
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json" in err and "Traceback" not in err

@@ -27,6 +27,7 @@ import torch
 import xxhash
 from transformers import LlamaConfig
 
+from lmtier.errors import ConfigError
 from lmtier.model_dir import model_identity
 
 __all__ = [
@@ -103,7 +104,7 @@ def load_local_model(path: str | os.PathLike[str]) -> DemoModel:
     named as every lmtier command names that directory (:mod:`lmtier.model_dir`)."""
     directory = Path(path).expanduser()
     if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"{directory} has no config.json: not a model directory")
+        raise ConfigError(f"--model {directory}: no config.json there, so no model directory")
     model_id, revision = model_identity(directory)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the modeling code
 
