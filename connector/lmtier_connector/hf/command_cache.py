@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from lmtier.config import LMTierConfig
 from lmtier.config.secrets import read_secret_file
+from lmtier.errors import AuthenticationError, BackendUnavailable, PermissionDeniedError
 
 if TYPE_CHECKING:
     from lmtier.api import LMTier
@@ -47,12 +48,27 @@ def open_command_cache(
     )
 
 
-def sidecar_problem(args: argparse.Namespace, cache: LMTier, *, command: str) -> str | None:
-    """A one-line message when ``--sidecar`` was given and the sidecar does not answer
-    (a client that cannot reach it serves misses, which would look like a cold cache)."""
-    if args.sidecar and "sidecar" not in cache.stats():
+def sidecar_problem(
+    args: argparse.Namespace, cache: LMTier, *, command: str, cache_salt: str | None = None
+) -> str | None:
+    """A one-line message when ``--sidecar`` was given and the sidecar cannot be used:
+    it does not answer, refuses the token, or (for a command that works under one
+    ``cache_salt``) does not let the token use that salt. A client that cannot use the
+    sidecar serves misses, which would look like a cold cache. A command serving
+    requests of any salt (``cache_salt`` None) only needs the sidecar to answer: the
+    token's scope decides each request."""
+    check = getattr(cache, "check", None) if args.sidecar else None
+    if check is None:
+        return None
+    try:
+        check(cache_salt or "")
+    except PermissionDeniedError as exc:
+        return None if cache_salt is None else f"{command}: {exc}"
+    except AuthenticationError as exc:
+        return f"{command}: the sidecar at {args.sidecar} refused the token: {exc}"
+    except BackendUnavailable:
         return (
             f"{command}: the sidecar at {args.sidecar} does not answer (is `lmtier "
-            "serve` running there, and is the token right?)"
+            "serve` running there?)"
         )
     return None

@@ -261,7 +261,7 @@ def cmd_demo(args: argparse.Namespace, config: LMTierConfig) -> int:
     setup = set_up(args, config)
     demo, config = setup.demo, setup.config
     with open_cache(args, setup, client_name="lmtier demo") as cache:
-        problem = sidecar_problem(args, cache, command="lmtier demo")
+        problem = sidecar_problem(args, cache, command="lmtier demo", cache_salt="")
         if problem is not None:
             print(problem, file=sys.stderr)
             return 1

@@ -37,7 +37,8 @@ def opened_cache(
     None, with a message on ``err``, when the sidecar does not answer."""
     model = warm_model(args.model, args.seed)
     with model.open_cache(args, config, command) as cache:
-        problem = sidecar_problem(args, cache, command=f"lmtier {command}")
+        salt = getattr(args, "cache_salt", "")
+        problem = sidecar_problem(args, cache, command=f"lmtier {command}", cache_salt=salt)
         if problem is not None:
             print(problem, file=err)
             yield None
