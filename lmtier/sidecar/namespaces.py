@@ -24,6 +24,8 @@ from lmtier.storage.check import ChunkCheck
 from lmtier.v1 import sidecar_pb2 as pb
 
 __all__ = [
+    "MAX_CLIENT_NAME_CHARS",
+    "MAX_NAME_CHARS",
     "DIGEST_BYTES",
     "MAX_NAMESPACES",
     "NamespaceCheck",
@@ -43,6 +45,11 @@ MAX_KEYS = 1 << 16
 MAX_CHUNK_PAYLOAD = 1 << 34
 """The largest chunk payload a namespace may describe (16 GiB); slabs are far smaller."""
 _MAX_DIM = 1 << 20
+MAX_NAME_CHARS = 1024
+"""Longest model id, revision or cache salt a session may name: a session keeps its
+namespace for its whole life, and 4096 sessions of 8 MiB names would be 32 GiB."""
+MAX_CLIENT_NAME_CHARS = 256
+"""Longest client name (logs and metrics quote it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,12 @@ class SessionSpace:
         """Check a wire namespace and build it; InvalidRequestError naming the field."""
         if not message.model_id.strip() and not message.model_revision.strip():
             raise InvalidRequestError("namespace.model_id (or model_revision) is required")
+        for name in ("model_id", "model_revision", "cache_salt"):
+            if len(getattr(message, name)) > MAX_NAME_CHARS:
+                raise InvalidRequestError(
+                    f"namespace.{name} is {len(getattr(message, name))} characters; at most "
+                    f"{MAX_NAME_CHARS}"
+                )
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(message, name)
             if not 0 < value <= _MAX_DIM:

@@ -29,6 +29,7 @@ from lmtier.sidecar.holds import StreamHold
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.namespaces import (
     DIGEST_BYTES,
+    MAX_CLIENT_NAME_CHARS,
     MAX_KEYS,
     NamespaceCheck,
     SessionSpace,
@@ -108,6 +109,11 @@ class SidecarService(pb_grpc.SidecarServicer):
         self, request: pb.OpenSessionRequest, principal: Principal, context: Any
     ) -> AsyncIterator[pb.SessionEvent]:
         space = SessionSpace.from_wire(request.namespace)
+        if len(request.client_name) > MAX_CLIENT_NAME_CHARS:
+            raise InvalidRequestError(
+                f"client_name is {len(request.client_name)} characters; at most "
+                f"{MAX_CLIENT_NAME_CHARS}"
+            )
         if not principal.allows(space.namespace.model_id, space.namespace.cache_salt):
             raise PermissionError(
                 f"{principal.name} may not use model {brief(space.namespace.model_id)} under "

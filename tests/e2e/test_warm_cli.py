@@ -176,11 +176,13 @@ def test_nothing_to_do_loads_no_model_and_via_imports_no_torch(
     assert summary_of(again)["skipped"] == 2
     assert loaded_by(again) == ["torch"], "the cache's lookups; no transformers, no weights"
 
-    demo = lmtier(*args, "-", stdin=prompts, script=REPORT)  # the demo model: built, then not
+    # The random demo model is built either way: its revision hashes the weights drawn
+    # (hf.demo_model.demo_revision), so that another transformers' initialisation is
+    # another model; then nothing is computed.
+    demo = lmtier(*args, "-", stdin=prompts, script=REPORT)
     assert demo.returncode == 0 and summary_of(demo)["warmed"] == 2
     demo = lmtier(*args, "-", stdin=prompts, script=REPORT)
     assert demo.returncode == 0 and summary_of(demo)["skipped"] == 2
-    assert "transformers.models.llama.modeling_llama" not in loaded_by(demo)
 
     via = lmtier(*args, "--via", "http://127.0.0.1:9", "-", stdin=prompts, script=REPORT)
     assert via.returncode == 1 and "127.0.0.1:9" in via.stderr

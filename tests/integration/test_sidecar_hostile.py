@@ -154,11 +154,12 @@ def assert_unharmed_when_quiet(
     assert_unharmed(sidecar)
 
 
-def expect_open_refused(code: grpc.StatusCode, stub: pb_grpc.SidecarStub, space: Any) -> str:
+def expect_open_refused(
+    code: grpc.StatusCode, stub: pb_grpc.SidecarStub, space: Any, client_name: str = ""
+) -> str:
     """OpenSession must fail with ``code`` before its first event."""
-    call = stub.OpenSession(
-        pb.OpenSessionRequest(namespace=space, shared_memory=True), timeout=CALL_TIMEOUT_S
-    )
+    request = pb.OpenSessionRequest(namespace=space, shared_memory=True, client_name=client_name)
+    call = stub.OpenSession(request, timeout=CALL_TIMEOUT_S)
     try:
         return expect_code(code, lambda: next(call))
     finally:
@@ -303,10 +304,18 @@ def test_long_model_ids_and_client_names_are_logged_briefly(
     sidecar: SidecarProcess, stub: pb_grpc.SidecarStub
 ) -> None:
     """The sidecar logs each session's model id and client name at INFO: a 1 MB id wrote
-    1 MB of log per session. Now both are cut (about 100 characters each)."""
+    1 MB of log per session. Now both are cut (about 100 characters each), and names
+    past their bounds (a session keeps its namespace all its life) are refused."""
+    for space, client in (
+        (namespace(model_id="m" * 1_000_000), ""),
+        (namespace(cache_salt="s" * 1025), ""),
+        (namespace(), "c" * 1_000_000),
+    ):
+        details = expect_open_refused(Code.INVALID_ARGUMENT, stub, space, client_name=client)
+        assert "at most" in details and len(details) < 200, details
     before = len(sidecar.log())
-    space = namespace(model_id="m" * 1_000_000)
-    with open_session(stub, space, client_name="c" * 1_000_000):
+    space = namespace(model_id="m" * 1024)
+    with open_session(stub, space, client_name="c" * 256):
         pass
     marker = "log-marker-" + secrets.token_hex(8)
     with open_session(stub, client_name=marker):
