@@ -23,9 +23,9 @@ yields one ready ``bytes`` per chunk, the same encoded bytes. This process is no
    tier asked first, in vain), and one node A holds (served by the peer tier with it,
    by Redis without it: the chunks are in both).
 3. ``ttft`` (skipped with ``--no-cluster``): ``lmtier cluster``'s processes
-   (:class:`~lmtier_connector.cluster.launcher.LocalCluster`: redis-server, an S3
+   (:class:`~lmtier_apps.cluster.launcher.LocalCluster`: redis-server, an S3
    endpoint, two sidecars with peer listeners and two demo engines, ``--check-logits``)
-   and the demo's client (:class:`~lmtier_connector.cluster.demo.Story`): node A
+   and the demo's client (:class:`~lmtier_apps.cluster.demo.Story`): node A
    computes four prompts; node B gets the first two from A's CPU tier (peer: the
    first opens B's channel to A), then A's sidecar is restarted (its CPU tier
    empties), B gets the third from Redis, Redis is flushed, B gets the fourth from
@@ -65,13 +65,13 @@ from lmtier.config.secrets import Secret
 from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
-from lmtier.sidecar.peer_auth import NodeKey
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
+from lmtier.wire.peer_auth import NodeKey
 from lmtier_backends.peer.fetch import KEEPALIVE_MS, MAX_MESSAGE_BYTES
 from lmtier_backends.peer.tier import PeerTier
 from lmtier_backends.redis.tier import RedisTier
@@ -411,9 +411,9 @@ def wait_published(url: str, node_id: str, at_least: int) -> bool:
 
 
 def bench_ttft(cycles: int, prompt_tokens: int) -> dict[str, Any] | str:
-    from lmtier_connector.cluster.demo import Node, Row, Story, flush_redis  # noqa: PLC0415
-    from lmtier_connector.cluster.launcher import LocalCluster  # noqa: PLC0415
-    from lmtier_connector.cluster.state import ClusterError  # noqa: PLC0415
+    from lmtier_apps.cluster.demo import Node, Row, Story, flush_redis  # noqa: PLC0415
+    from lmtier_apps.cluster.launcher import LocalCluster  # noqa: PLC0415
+    from lmtier_apps.cluster.state import ClusterError  # noqa: PLC0415
 
     directory = Path(tempfile.mkdtemp(prefix="lmtier-bc-"))  # short: unix socket paths
     cluster = LocalCluster(

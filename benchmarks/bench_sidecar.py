@@ -38,7 +38,7 @@ head_dim 64) float32 model: 8 KiB of KV per token, 2 MiB chunks of 256 tokens.
    tensor, the server copies each into its place in a buffer of the whole upload (as
    a store puts chunks in slabs; until 2026-12-02 all into one 2 MiB buffer, which
    ran 3-15% faster). Both processes keep freed message buffers as ``lmtier serve``
-   does (:mod:`lmtier.sidecar.heap`). Target >= 0.9x.
+   does (:mod:`lmtier.remote.heap`). Target >= 0.9x.
 4. ``concurrency``: 1, 2, 4, 8 client processes (spawn, each its own
    ``LMTier.connect``), each looping lookup (LOOP_CHUNKS cached chunks) -> load with
    ``kv(out=)`` -> store of STORE_CHUNKS fresh chunks for a few seconds; aggregate
@@ -83,7 +83,7 @@ from remote_facade import cpu_burner
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
-from lmtier.sidecar.heap import keep_freed_memory
+from lmtier.remote.heap import keep_freed_memory
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc

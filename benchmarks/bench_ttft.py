@@ -35,9 +35,9 @@ from transformers import DynamicCache
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier_apps.demo.demo_model import build_demo_model
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
 from lmtier_connector.hf.compat import call_with_cache
-from lmtier_connector.hf.demo_model import build_demo_model
 
 PREFIX, SUFFIX = 3840, 256
 Layers: TypeAlias = "list[tuple[torch.Tensor, torch.Tensor]]"

@@ -4,7 +4,7 @@ buys the first request (demo model, CPU, fp32).
 Measured in one run, on the same prompts (distinct, so nothing is cached between them):
   * prefill: the model's forward pass over each prompt with ``use_cache=True``, what
     any engine pays to compute the KV: the physical baseline;
-  * warm: the warm-up loop (:class:`lmtier_connector.warm.run.Warm`: one lookup per
+  * warm: the warm-up loop (:class:`lmtier_apps.warm.run.Warm`: one lookup per
     prompt, the prefill, the store into the CPU tier, the disk tier's background
     writes flushed at the end) into a fresh cache directory each round.
   Ratio = warm tokens/s over prefill tokens/s, rounds interleaved, median of the
@@ -31,12 +31,12 @@ import torch
 
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier_apps.demo.demo_model import DemoModel, build_demo_model
+from lmtier_apps.warm.compute import ModelWarmer
+from lmtier_apps.warm.inputs import Prompt
+from lmtier_apps.warm.progress import Progress, Tally
+from lmtier_apps.warm.run import Warm
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
-from lmtier_connector.hf.demo_model import DemoModel, build_demo_model
-from lmtier_connector.warm.compute import ModelWarmer
-from lmtier_connector.warm.inputs import Prompt
-from lmtier_connector.warm.progress import Progress, Tally
-from lmtier_connector.warm.run import Warm
 
 CHUNK = 256
 

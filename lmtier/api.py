@@ -161,10 +161,10 @@ class LMTier(Maintenance):
         """A started client of the sidecar at ``target`` (``unix:///path.sock`` or
         ``host:port``; None: where ``lmtier serve`` listens with this config, its
         ``sidecar.listen`` or else its default socket in ``$XDG_RUNTIME_DIR/lmtier``)
-        with this interface: :class:`lmtier.sidecar.client.SidecarClient` (the ``grpc``
+        with this interface: :class:`lmtier.remote.client.SidecarClient` (the ``grpc``
         extra). Keyword arguments: the model's (as :meth:`open`), and ``token``,
         ``credentials``, ``shared_memory``, ``timeout_s``, ``client_name``."""
-        from lmtier.sidecar.client import SidecarClient, sidecar_target  # noqa: PLC0415
+        from lmtier.remote.client import SidecarClient, sidecar_target  # noqa: PLC0415
 
         config = config if config is not None else load_config()
         where = target if target is not None else sidecar_target(config)

@@ -4,7 +4,7 @@ eviction listeners, flush and stats.
 They are what an operator or a warm-up job does to a cache (``lmtier warm``,
 ``lmtier purge``, ``lmtier stats``), apart from the data path that engines call per
 request. :class:`Maintenance` is a base of ``LMTier``; a sidecar client
-(:class:`~lmtier.sidecar.client.SidecarClient`) overrides the ones the sidecar must do
+(:class:`~lmtier.remote.client.SidecarClient`) overrides the ones the sidecar must do
 itself, and inherits the rest (prefetch is loads, which it already forwards).
 """
 

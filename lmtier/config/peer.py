@@ -172,7 +172,7 @@ class PeerConfig(Section):
     token: SecretText | None = None
     """The cluster's node secret: every node of the cluster has the same one, and no
     sidecar token may equal it. It is never sent: a node proves it holds it with an
-    HMAC over a nonce, the address it dials and the request (:mod:`lmtier.sidecar.peer_auth`),
+    HMAC over a nonce, the address it dials and the request (:mod:`lmtier.wire.peer_auth`),
     and takes nothing from a peer that cannot prove the same."""
     token_file: PathValue | None = None
     """A file whose first line is the node secret."""

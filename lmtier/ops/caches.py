@@ -68,7 +68,7 @@ def connect_sidecar(
     refuses the token, PermissionDeniedError when the token does not cover that
     namespace (each one line).
     """
-    from lmtier.sidecar.client import SidecarClient  # noqa: PLC0415 - the grpc extra
+    from lmtier.remote.client import SidecarClient  # noqa: PLC0415 - the grpc extra
 
     token = _token(config, token_file)
     cache = SidecarClient(

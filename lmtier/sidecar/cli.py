@@ -29,7 +29,7 @@ def _raise_open_files_limit() -> None:
 
 
 def _run(args: argparse.Namespace, config: LMTierConfig) -> int:
-    from lmtier.sidecar.heap import keep_freed_memory  # noqa: PLC0415
+    from lmtier.remote.heap import keep_freed_memory  # noqa: PLC0415
     from lmtier.sidecar.logs import setup_logging  # noqa: PLC0415 - the grpc extra
     from lmtier.sidecar.server import serve  # noqa: PLC0415
 

@@ -20,9 +20,9 @@ import asyncio
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import InvalidRequestError
 from lmtier.sidecar.auth import Principal
-from lmtier.sidecar.pieces import Piece
 from lmtier.sidecar.shares import Shares
 from lmtier.storage.memory import SlabHandle
+from lmtier.wire.pieces import Piece
 
 __all__ = ["Incoming", "StreamHold"]
 

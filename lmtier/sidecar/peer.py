@@ -39,14 +39,14 @@ from lmtier.errors import ConfigError, InvalidRequestError
 from lmtier.sidecar.auth import Authenticator, tls_server_credentials
 from lmtier.sidecar.listen import HANDSHAKE_TIMEOUT_MS, parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
-from lmtier.sidecar.peer_auth import ProofChecker, node_key
-from lmtier.sidecar.pieces import chunk_pieces
 from lmtier.sidecar.status import lenient, parsed, status_of
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.node import LocalNode
 from lmtier.storage.plugins import peer_section
 from lmtier.storage.sealing import Sealer
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.peer_auth import ProofChecker, node_key
+from lmtier.wire.pieces import chunk_pieces
 
 __all__ = ["CONTAINS_METHOD", "FETCH_METHOD", "MAX_FETCH_KEYS", "PEER_SERVICE", "PeerServer"]
 

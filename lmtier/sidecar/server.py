@@ -47,12 +47,12 @@ from lmtier.sidecar.peer import PeerServer
 from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shares import Shares
-from lmtier.sidecar.shm import SharedRegion
 from lmtier.sidecar.status import lenient
 from lmtier.storage.cpu_tier import open_memory_tier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.plugins import open_tiers
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.shm import SharedRegion
 
 __all__ = ["SERVICE_NAME", "Sidecar"]
 
@@ -358,7 +358,7 @@ class Sidecar:
 def method_handlers(service: SidecarService) -> grpc.GenericRpcHandler:
     """The handlers of ``lmtier.v1.Sidecar``, built from its descriptor: protobuf
     (de)serializers for every message but the chunk pieces of ``LoadStream`` and
-    ``StoreStream``, which travel as bytes that :mod:`lmtier.sidecar.pieces` encodes
+    ``StoreStream``, which travel as bytes that :mod:`lmtier.wire.pieces` encodes
     and parses (one copy of the chunk's bytes each way)."""
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,

@@ -84,7 +84,7 @@ class SidecarProcess:
 
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until the health service says SERVING."""
-        from lmtier.sidecar.probe import serving_problem  # noqa: PLC0415 - grpc extra
+        from lmtier.remote.probe import serving_problem  # noqa: PLC0415 - grpc extra
 
         deadline = time.monotonic() + timeout_s
         while True:

@@ -21,9 +21,9 @@ from demo_server import CHUNK as SERVE_CHUNK
 from demo_server import LONG_TEXT, Server
 
 from lmtier import LMTier, load_config
+from lmtier_apps.demo.demo_model import build_demo_model
+from lmtier_apps.demo.demo_tokenizer import demo_tokenizer
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
-from lmtier_connector.hf.demo_model import build_demo_model
-from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

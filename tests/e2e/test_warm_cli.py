@@ -34,7 +34,7 @@ sys.exit(code)
 LOSES_THE_SIGINT = """
 import signal, sys
 from lmtier.cli import main
-from lmtier_connector.warm import command
+from lmtier_apps.warm import command
 
 class Swallows:
     # CPython prints a KeyboardInterrupt raised in a finaliser as "Exception ignored"

@@ -1,4 +1,4 @@
-"""``lmtier warm``'s compute step in-process (lmtier_connector.warm.compute): batched
+"""``lmtier warm``'s compute step in-process (lmtier_apps.warm.compute): batched
 prefills store each prompt's own KV, partly cached prompts compute only the rest."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 
 from lmtier import LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier_apps.demo.demo_model import build_demo_model
+from lmtier_apps.warm.compute import ModelWarmer, WarmItem
 from lmtier_connector.hf.adapter import kv_spec_of
 from lmtier_connector.hf.compat import output_cache
-from lmtier_connector.hf.demo_model import build_demo_model
-from lmtier_connector.warm.compute import ModelWarmer, WarmItem
 
 pytestmark = [pytest.mark.e2e]
 

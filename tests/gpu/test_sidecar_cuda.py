@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from lmtier import KVSpec, LMTier, load_config  # noqa: E402
-from lmtier.sidecar.client import SidecarClient  # noqa: E402
+from lmtier.remote.client import SidecarClient  # noqa: E402
 from lmtier.testing.sidecar import SidecarProcess  # noqa: E402
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")

@@ -30,11 +30,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.sidecar.shm import SharedRegion
 from lmtier.testing import make_chunk
 from lmtier.testing.sidecar import START_TIMEOUT_S, SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.wire.shm import SharedRegion
 
 __all__ = [
     "CALL_TIMEOUT_S",

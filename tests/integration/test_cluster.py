@@ -34,18 +34,18 @@ from redis_servers import RedisClusterProcesses, require_redis
 
 from lmtier import KVSpec, LMTier, load_config
 from lmtier.errors import ConfigError
-from lmtier_connector.cluster import commands
-from lmtier_connector.cluster.demo import (
+from lmtier_apps.cluster import commands
+from lmtier_apps.cluster.demo import (
     Completion,
     EngineClient,
     Node,
     Story,
     flush_redis,
 )
-from lmtier_connector.cluster.launcher import CONFIG_FILES, LocalCluster
-from lmtier_connector.cluster.state import ClusterError, ClusterState, ProcessInfo, read_state
-from lmtier_connector.cluster.trust import SERVER_NAME
-from lmtier_connector.cluster.writes import scrape_tier_metrics
+from lmtier_apps.cluster.launcher import CONFIG_FILES, LocalCluster
+from lmtier_apps.cluster.state import ClusterError, ClusterState, ProcessInfo, read_state
+from lmtier_apps.cluster.trust import SERVER_NAME
+from lmtier_apps.cluster.writes import scrape_tier_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -137,7 +137,7 @@ def _story(cluster: LocalCluster, **kwargs: Any) -> Story:
 
 
 def test_launcher_surfaces_it_depends_on(tmp_path: Path) -> None:
-    from lmtier_connector.hf.serve import READY
+    from lmtier_apps.engine.serve import READY
 
     assert READY.format(url="") == commands.ENGINE_READY
     assert all((ROOT / path).is_file() for path in CONFIG_FILES.values())

@@ -365,7 +365,7 @@ def test_warmup_prompts_span_several_chunks(services: dict[str, dict[str, Any]])
 
 
 def test_launcher_uses_the_same_config_files(services: dict[str, dict[str, Any]]) -> None:
-    launcher = pytest.importorskip("lmtier_connector.cluster.launcher")
+    launcher = pytest.importorskip("lmtier_apps.cluster.launcher")
     files = {role: Path(path) for role, path in launcher.CONFIG_FILES.items()}
     mounted = {
         "sidecar": {

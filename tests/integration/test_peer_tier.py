@@ -24,16 +24,16 @@ from lmtier.errors import BackendError, ConfigError
 from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
-from lmtier.sidecar.peer_auth import NodeKey
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
+from lmtier.wire.peer_auth import NodeKey
+from lmtier_apps.cluster.trust import SERVER_NAME, TrustFiles, ensure_trust
 from lmtier_backends.peer.fetch import PeerClient, PeerTLS
 from lmtier_backends.peer.tier import PeerTier
-from lmtier_connector.cluster.trust import SERVER_NAME, TrustFiles, ensure_trust
 
 TOKEN = "node-secret-for-tests-0123456789"
 SIDECAR_TOKEN = "sidecar-token-for-tests-0123456"

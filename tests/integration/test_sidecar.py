@@ -20,11 +20,11 @@ import pytest
 import torch
 from sidecar_client import connect, digest, gauges, kv_of, prompt
 
-import lmtier.sidecar.client as client_module
+import lmtier.remote.client as client_module
 from lmtier import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
-from lmtier.sidecar.streaming import MessageSlab, ReceivedSlab
+from lmtier.remote.streaming import MessageSlab, ReceivedSlab
 from lmtier.storage.memory import SlabHandle
 from lmtier.testing.sidecar import SidecarProcess
 
@@ -403,7 +403,7 @@ def test_purge_empties_one_tenant_and_keeps_the_other(
 def test_the_sidecar_hashes_token_ids_as_clients_do(
     sidecar: SidecarProcess, observer: LMTier
 ) -> None:
-    from lmtier.sidecar.client import SidecarClient
+    from lmtier.remote.client import SidecarClient
     from lmtier.v1 import sidecar_pb2 as pb
 
     assert isinstance(observer, SidecarClient)

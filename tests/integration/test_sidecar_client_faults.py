@@ -45,7 +45,7 @@ from sidecar_helpers import LANE_HEADER, open_session, read_exactly, wait_for
 from sidecar_helpers import gauges as sidecar_gauges
 
 from lmtier import LMTier, load_config
-from lmtier.sidecar.connection import serving_problem
+from lmtier.remote.connection import serving_problem
 from lmtier.sidecar.lane import LaneClient, LaneError, lane_path
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb

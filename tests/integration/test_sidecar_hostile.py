@@ -41,10 +41,10 @@ from sidecar_helpers import (
 )
 
 from lmtier.chunks.format import PREFIX, PREFIX_LEN
-from lmtier.sidecar.shm import SharedRegion
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.wire.shm import SharedRegion
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ from sidecar_helpers import (
     read_exactly,
 )
 
-from lmtier.sidecar.client import SidecarClient
+from lmtier.remote.client import SidecarClient
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc

@@ -52,7 +52,7 @@ with warnings.catch_warnings():
 
     from lmtier.config import Secret
     from lmtier.errors import ConfigError
-    from lmtier.sidecar.client import SidecarClient
+    from lmtier.remote.client import SidecarClient
     from lmtier.testing.sidecar import SidecarProcess
     from lmtier_connector.vllm.common import (
         ConnectorSettings,

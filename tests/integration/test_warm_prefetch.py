@@ -15,8 +15,8 @@ import torch
 from redis_servers import RedisServer
 
 from lmtier import LMTier, load_config
+from lmtier_apps.demo.demo_model import build_demo_model
 from lmtier_connector.hf.adapter import kv_spec_of
-from lmtier_connector.hf.demo_model import build_demo_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -86,7 +86,7 @@ def test_prefetch_pulls_a_peers_chunks_from_redis_onto_local_disk(
 
 def model_dir_without_weights(directory: Path) -> Path:
     """A model directory as far as keys go: config.json and a tokenizer, no weights."""
-    from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
+    from lmtier_apps.demo.demo_tokenizer import demo_tokenizer
 
     directory.mkdir()
     config = {
@@ -131,7 +131,7 @@ def test_prefetch_with_a_model_directory_reads_no_weights(
     model_id, revision = model_identity(model)
     fields, vocab = model_settings(model)
     from lmtier import KVSpec
-    from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
+    from lmtier_apps.demo.demo_tokenizer import demo_tokenizer
 
     ids = demo_tokenizer()(text)["input_ids"]
     spec = KVSpec(**fields)

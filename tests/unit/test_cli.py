@@ -164,7 +164,7 @@ def test_the_cli_starts_without_torch_or_transformers(args: list[str]) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
             main({args!r})
         loaded = [m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")]
-        print(sorted(loaded), "lmtier_connector.hf.cli" in sys.modules)
+        print(sorted(loaded), "lmtier_apps.demo.cli" in sys.modules)
         """
     )
     result = subprocess.run(

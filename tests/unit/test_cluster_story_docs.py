@@ -1,4 +1,4 @@
-"""What the cluster demo is said to do matches what it does (lmtier_connector.cluster.demo's
+"""What the cluster demo is said to do matches what it does (lmtier_apps.cluster.demo's
 PHASES): the phase list of docs/cluster.md and ``lmtier cluster demo --help`` tell the
 peer step too (they told the story without it), and no page says peer-to-peer is not
 done."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmtier.cli import main
-from lmtier_connector.cluster.demo import PHASES
+from lmtier_apps.cluster.demo import PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from lmtier.errors import AuthenticationError, BackendUnavailable, PermissionDeniedError
-from lmtier_connector.hf.command_cache import sidecar_problem
+from lmtier_apps.command_cache import sidecar_problem
 
 
 class Client:

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lmtier_connector.hf.demo_tokenizer import demo_tokenizer
-from lmtier_connector.hf.engine import StreamDecoder, load_codec
+from lmtier_apps.demo.demo_tokenizer import demo_tokenizer
+from lmtier_apps.engine.engine import StreamDecoder, load_codec
 
 TEXT = "héllo wörld ✓"
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lmtier.extras import install_command
-from lmtier_connector.hf.plot import (
+from lmtier_apps.demo.plot import (
     TIER_COLORS,
     dominant_tier,
     matplotlib_problem,
@@ -23,7 +23,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def demo_rows() -> list[Any]:
     pytest.importorskip("torch")
-    from lmtier_connector.hf.demo import DemoRow
+    from lmtier_apps.demo.demo import DemoRow
 
     served = [{}, {"device": 1536}, {"disk": 1536}, {"device": 512, "disk": 256}, {"cpu": 2560}]
     return [

@@ -1,4 +1,4 @@
-"""The gate of `lmtier demo serve` (lmtier_connector.hf.openai_requests): every field of
+"""The gate of `lmtier demo serve` (lmtier_apps.engine.openai_requests): every field of
 a completion or chat request is checked for its JSON type, range and size before any
 work, and refused with one OpenAI-style line naming the field. The same checks over
 real HTTP are in tests/e2e/test_demo_serve.py."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lmtier_connector.hf.openai_requests import (
+from lmtier_apps.engine.openai_requests import (
     MAX_NAME_CHARS,
     NEUTRAL_VALUES,
     ApiError,

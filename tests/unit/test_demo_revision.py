@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers.configuration_utils
 
-from lmtier_connector.hf.demo_model import build_demo_model, demo_revision
+from lmtier_apps.demo.demo_model import build_demo_model, demo_revision
 
 
 def test_another_transformers_version_with_the_same_weights_is_the_same_model(

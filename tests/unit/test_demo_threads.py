@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtier_connector.hf.threads import (
+from lmtier_apps.threads import (
     cgroup_cpu_limit,
     default_threads,
     set_torch_threads,

@@ -15,11 +15,13 @@ PACKAGES = {
     "lmtier": ROOT / "lmtier",
     "lmtier_backends": ROOT / "backends" / "lmtier_backends",
     "lmtier_connector": ROOT / "connector" / "lmtier_connector",
+    "lmtier_apps": ROOT / "apps" / "lmtier_apps",
 }
 FORBIDDEN = {
-    "lmtier": {"lmtier_backends", "lmtier_connector", "redis", "boto3", "botocore", "vllm"}
-    | {"transformers"},
-    "lmtier_backends": {"lmtier_connector", "torch", "vllm", "transformers"},
+    "lmtier": {"lmtier_backends", "lmtier_connector", "lmtier_apps", "redis", "boto3"}
+    | {"botocore", "vllm", "transformers"},
+    "lmtier_backends": {"lmtier_connector", "lmtier_apps", "torch", "vllm", "transformers"},
+    "lmtier_connector": {"lmtier_apps"},
 }
 
 

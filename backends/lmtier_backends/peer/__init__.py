@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lmtier.config import PeerConfig
 from lmtier.errors import ConfigError
-from lmtier.sidecar.peer_auth import node_key
+from lmtier.wire.peer_auth import node_key
 from lmtier_backends.peer.fetch import PeerTLS
 from lmtier_backends.peer.tier import PeerTier
 

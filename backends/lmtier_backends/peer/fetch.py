@@ -4,10 +4,10 @@ streamed straight into the caller's buffers (pool slabs).
 One grpc.aio channel per peer address, kept open (HTTP/2 keepalive notices a peer
 that vanished), with TLS and this node's certificate when ``peer.tls_ca_file`` is
 set. No bearer token is ever sent: each call carries a proof of the node secret made
-for the address dialled (:mod:`lmtier.sidecar.peer_auth`), and nothing the peer
+for the address dialled (:mod:`lmtier.wire.peer_auth`), and nothing the peer
 sends is taken before its answer to that proof checks out, so a server that the
 directory names but that is no node of the cluster learns no secret and serves
-nothing. The pieces are parsed by :mod:`lmtier.sidecar.pieces` and copied once,
+nothing. The pieces are parsed by :mod:`lmtier.wire.pieces` and copied once,
 from the received message into the buffer. A chunk is a hit only once every byte of
 it arrived in order; a chunk larger than its buffer is :data:`UNSERVABLE`; a stream
 that breaks leaves the chunks it finished and makes the rest misses. A caller may
@@ -34,11 +34,11 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, brief
 from lmtier.sidecar.auth import channel_credentials
 from lmtier.sidecar.peer import CONTAINS_METHOD, FETCH_METHOD
-from lmtier.sidecar.peer_auth import NodeKey, RequestProof
-from lmtier.sidecar.pieces import Piece, decode_piece
 from lmtier.storage.budget import Progress
 from lmtier.storage.tier import UNSERVABLE, CheckedRead
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.peer_auth import NodeKey, RequestProof
+from lmtier.wire.pieces import Piece, decode_piece
 
 __all__ = ["Check", "PeerClient", "PeerTLS"]
 

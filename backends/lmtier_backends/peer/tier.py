@@ -40,11 +40,11 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.config.peer import AddressPolicy
 from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendError
-from lmtier.sidecar.peer_auth import NodeKey
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.node import LocalNode
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import Buffer, CheckedRead, Tier, TierProperties
+from lmtier.wire.peer_auth import NodeKey
 from lmtier_backends.peer.directory import Owner, PeerDirectory
 from lmtier_backends.peer.fetch import Check, PeerClient, PeerTLS
 from lmtier_backends.peer.owners import Owners

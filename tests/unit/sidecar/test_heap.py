@@ -1,4 +1,4 @@
-"""``lmtier serve``'s malloc settings (lmtier.sidecar.heap): applied on glibc, never
+"""``lmtier serve``'s malloc settings (lmtier.remote.heap): applied on glibc, never
 over the operator's own; and whether a process keeps freed buffers."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from lmtier.sidecar import heap
+from lmtier.remote import heap
 
 PROBE = (
-    "from lmtier.sidecar.heap import keep_freed_memory, reuses_freed_memory as r\n"
+    "from lmtier.remote.heap import keep_freed_memory, reuses_freed_memory as r\n"
     "before = r()\n"
     "print(before, keep_freed_memory(), r())"
 )

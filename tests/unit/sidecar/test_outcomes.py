@@ -1,4 +1,4 @@
-"""What a failed sidecar call means to its client (lmtier/sidecar/outcomes.py), and
+"""What a failed sidecar call means to its client (lmtier/wire/outcomes.py), and
 where a client looks for a sidecar when it is given no address."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 from lmtier.config import LMTierConfig
 from lmtier.errors import InvalidRequestError, PermissionDeniedError
-from lmtier.sidecar.client import sidecar_target
-from lmtier.sidecar.outcomes import SidecarRefused, SidecarUnavailable, outcome
+from lmtier.remote.client import sidecar_target
+from lmtier.wire.outcomes import SidecarRefused, SidecarUnavailable, outcome
 
 Code = grpc.StatusCode
 

@@ -1,4 +1,4 @@
-"""The peer proof (lmtier.sidecar.peer_auth): what a listener accepts, what it refuses,
+"""The peer proof (lmtier.wire.peer_auth): what a listener accepts, what it refuses,
 and that no proof ever carries or reveals the node secret."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from lmtier.config import LMTierConfig
 from lmtier.config.secrets import Secret
 from lmtier.errors import AuthenticationError, ConfigError
-from lmtier.sidecar.peer_auth import ANSWER_HEADER, PROOF_HEADER, NodeKey, ProofChecker, node_key
+from lmtier.wire.peer_auth import ANSWER_HEADER, PROOF_HEADER, NodeKey, ProofChecker, node_key
 
 SECRET = "node-secret-0123456789abcdef"
 METHOD = "/lmtier.v1.Peer/Fetch"

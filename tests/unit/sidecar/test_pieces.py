@@ -11,16 +11,16 @@ from collections.abc import Iterator
 import pytest
 
 from lmtier.errors import HandleError
-from lmtier.sidecar.pieces import (
+from lmtier.remote.streaming import MessageSlab, ReceivedSlab, in_messages
+from lmtier.storage.memory import HostPool
+from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.pieces import (
     PIECE_BYTES,
     PieceBuffer,
     bytes_tensor,
     chunk_pieces,
     decode_piece,
 )
-from lmtier.sidecar.streaming import MessageSlab, ReceivedSlab, in_messages
-from lmtier.storage.memory import HostPool
-from lmtier.v1 import sidecar_pb2 as pb
 
 SESSION = bytes(range(16))
 KEY = bytes(range(100, 132))

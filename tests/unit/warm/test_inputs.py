@@ -1,4 +1,4 @@
-"""lmtier_connector.warm.inputs: every input kind, bad input as PromptError records in
+"""lmtier_apps.warm.inputs: every input kind, bad input as PromptError records in
 order with the good prompts, laziness, tokenizing (a real transformers tokenizer built
 here, with a chat template), and the resume fingerprint."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from lmtier.errors import InvalidRequestError
-from lmtier_connector.warm.inputs import (
+from lmtier_apps.warm.inputs import (
     SKIP_FACTOR,
     Prompt,
     PromptError,

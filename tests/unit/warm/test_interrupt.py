@@ -1,4 +1,4 @@
-"""lmtier_connector.warm.interrupt: a SIGINT is recorded as well as raised, so that a
+"""lmtier_apps.warm.interrupt: a SIGINT is recorded as well as raised, so that a
 KeyboardInterrupt lost on the way (CPython drops one raised inside a ``__del__``)
 still stops the run; within ``deferred`` the first one is only recorded."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from lmtier_connector.warm.interrupt import Interrupt
+from lmtier_apps.warm.interrupt import Interrupt
 
 
 class _Swallows:

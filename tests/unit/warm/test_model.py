@@ -1,4 +1,4 @@
-"""lmtier_connector.warm.model: a model's namespace from its files (as the loaded model
+"""lmtier_apps.warm.model: a model's namespace from its files (as the loaded model
 names it), and a tokenizer loaded only when asked, whose absence is one line."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lmtier.errors import InvalidRequestError
-from lmtier_connector.hf import demo_model
-from lmtier_connector.warm import model
-from lmtier_connector.warm.model import LazyTokenizer, warm_model
+from lmtier_apps.demo import demo_model
+from lmtier_apps.warm import model
+from lmtier_apps.warm.model import LazyTokenizer, warm_model
 
 
 def weights_and_config_only(directory: Path, dtype: str = "bfloat16") -> Path:

@@ -1,4 +1,4 @@
-"""The ``--via`` loop's bookkeeping (lmtier_connector.warm.run.warm_via) and the summary
+"""The ``--via`` loop's bookkeeping (lmtier_apps.warm.run.warm_via) and the summary
 schema, with an engine client stand-in: the HTTP side is tested in test_via.py. The
 cache loop (Warm) with a CPU-only cache and a warmer stand-in: what it asks for (no
 tokenizer for token ids, no model when all is cached) and how a lost SIGINT stops it."""
@@ -15,11 +15,11 @@ import torch
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
-from lmtier_connector.warm.inputs import Prompt, PromptError
-from lmtier_connector.warm.interrupt import Interrupt
-from lmtier_connector.warm.progress import Progress, Tally
-from lmtier_connector.warm.run import GIVE_UP_AFTER, Warm, WarmItem, warm_via
-from lmtier_connector.warm.via import EngineUnavailable, ViaResult
+from lmtier_apps.warm.inputs import Prompt, PromptError
+from lmtier_apps.warm.interrupt import Interrupt
+from lmtier_apps.warm.progress import Progress, Tally
+from lmtier_apps.warm.run import GIVE_UP_AFTER, Warm, WarmItem, warm_via
+from lmtier_apps.warm.via import EngineUnavailable, ViaResult
 
 
 class Engine:

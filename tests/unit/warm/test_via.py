@@ -1,4 +1,4 @@
-"""lmtier_connector.warm.via against a real HTTP server in a thread that answers like an
+"""lmtier_apps.warm.via against a real HTTP server in a thread that answers like an
 OpenAI-compatible engine (and, on cue, with 4xx/5xx bodies, a dropped connection or no
 answer): request bodies and endpoints, model discovery, retries, usage parsing,
 per-prompt errors vs EngineUnavailable, concurrency, and the API key kept out of logs."""
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from lmtier.errors import InvalidRequestError
-from lmtier_connector.warm.inputs import Prompt
-from lmtier_connector.warm.via import EngineClient, EngineUnavailable, ViaResult
+from lmtier_apps.warm.inputs import Prompt
+from lmtier_apps.warm.via import EngineClient, EngineUnavailable, ViaResult
 
 API_KEY = "sk-test-0123456789abcdef"
 DROP = "drop"  # a scripted reply: close the connection without answering
