@@ -40,7 +40,7 @@ head_dim 64) float32 model: 8 KiB of KV per token, 2 MiB chunks of 256 tokens.
    ran 3-15% faster). Both processes keep freed message buffers as ``lmtier serve``
    does (:mod:`lmtier.remote.heap`). Target >= 0.9x.
 4. ``concurrency``: 1, 2, 4, 8 client processes (spawn, each its own
-   ``LMTier.connect``), each looping lookup (LOOP_CHUNKS cached chunks) -> load with
+   ``lmtier.connect``), each looping lookup (LOOP_CHUNKS cached chunks) -> load with
    ``kv(out=)`` -> store of STORE_CHUNKS fresh chunks for a few seconds; aggregate
    GB/s (loaded + stored KV), lookups/s, and p50 / p99 latency per op.
 5. ``peer`` (with ``--lmcache DIR``, a directory that makes lmcache importable; it is
@@ -81,6 +81,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from remote_facade import cpu_burner
 
+import lmtier
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.remote.heap import keep_freed_memory
@@ -168,7 +169,7 @@ def touch_shared_pool(client: LMTier) -> None:
     """Map every page of the sidecar's shared pool in this process (read one byte per
     page): what a long-running engine's mapping looks like once every slab has been
     used. (Private attributes: this is what MAP_POPULATE at attach would do.)"""
-    connection = getattr(client, "_connection", None)
+    connection = getattr(client.chunk_store, "_connection", None)
     for region, _ in list(getattr(connection, "_regions", {}).values()):
         int(region.tensor[::4096].sum())
 
@@ -189,7 +190,7 @@ def bench_lookup(
     channel = grpc.insecure_channel(sidecar.target)
     health = health_pb2_grpc.HealthStub(channel)
     stub = pb_grpc.SidecarStub(channel)  # type: ignore[no-untyped-call]
-    session_id = client._connection.sessions()[0].id  # type: ignore[attr-defined]
+    session_id = client.chunk_store._connection.sessions()[0].id  # type: ignore[attr-defined]
     check, release = health_pb2.HealthCheckRequest(), pb.ReleaseRequest(session_id=session_id)
 
     def sidecar_lookup() -> None:
@@ -417,7 +418,7 @@ def bench_stream(target: str, directory: Path, num_chunks: int, repeats: int) ->
     channel = grpc.insecure_channel(raw_target, options=RAW_OPTIONS)
     download = channel.unary_stream(f"/{RAW_SERVICE}/Download")
     upload = channel.stream_unary(f"/{RAW_SERVICE}/Upload")
-    client = LMTier.connect(
+    client = lmtier.connect(
         target,
         client_config(),
         kv=SPEC,
@@ -495,7 +496,7 @@ def bench_stream(target: str, directory: Path, num_chunks: int, repeats: int) ->
 def worker(index: int, target: str, commands: Any, results: Any) -> None:
     """One client process: connect, cache its prompt, then run the loop when told."""
     torch.set_num_threads(1)
-    client = LMTier.connect(target, client_config(), kv=SPEC, model_id="bench")
+    client = lmtier.connect(target, client_config(), kv=SPEC, model_id="bench")
     fresh = Tokens((index + 4) * 10**8)
     prompt = fresh(LOOP_CHUNKS * CHUNK)
     kv = torch.randn(SPEC.shape(LOOP_CHUNKS * CHUNK))
@@ -774,7 +775,7 @@ def main() -> None:
     with (
         cpu_burner(args.burner),
         SidecarProcess(directory, SIDECAR_SETTINGS) as sidecar,
-        LMTier.connect(sidecar.target, client_config(), kv=SPEC, model_id="bench") as client,
+        lmtier.connect(sidecar.target, client_config(), kv=SPEC, model_id="bench") as client,
         LMTier.open(embedded_config, kv=SPEC, model_id="bench") as embedded,
     ):
         results["lookup"] = bench_lookup(sidecar, client, embedded, lookup_rounds)

@@ -5,7 +5,8 @@ that holds it: GPU prefix cache, pinned CPU memory, local NVMe, Redis, S3. Chunk
 are keyed by chained hashes of fixed-size token chunks (:mod:`lmtier.chunks.keys`) and
 stored in one byte format in every tier (:mod:`lmtier.chunks.format`).
 
-Start from :class:`LMTier` (see :mod:`lmtier.api`). Everything an engine needs is
+Start from :class:`LMTier` (see :mod:`lmtier.api`), or :func:`connect` for a cache
+whose chunks live in a sidecar (``lmtier serve``; the ``grpc`` extra). Everything an engine needs is
 exported here (the facade, its results, the chunk and slab types it hands out);
 engines never reach into :mod:`lmtier.storage`. Names are imported lazily, so
 processes that only move bytes (storage backends, the CLI's ``keys``) never load torch.
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from lmtier.config import LMTierConfig, load_config
     from lmtier.errors import LMTierError
     from lmtier.kv_spec import KVSpec
+    from lmtier.remote.client import connect
     from lmtier.results import CacheLookup, HostMemory, LoadResult
     from lmtier.storage.lookup import LoadedChunk, Lookup
     from lmtier.storage.memory import SlabHandle
@@ -45,6 +47,7 @@ _EXPORTS = {
     "ChunkMeta": "lmtier.chunks.format",
     "DecodedChunk": "lmtier.chunks.format",
     "KVSpec": "lmtier.kv_spec",
+    "connect": "lmtier.remote.client",
     "LoadedChunk": "lmtier.storage.lookup",
     "Lookup": "lmtier.storage.lookup",
     "SlabHandle": "lmtier.storage.memory",
@@ -52,6 +55,7 @@ _EXPORTS = {
 
 __all__ = [
     "chunk_keys",
+    "connect",
     "load_config",
     "make_hasher",
     "CacheLookup",

@@ -11,10 +11,13 @@
             prefix_kv = loaded.kv()             # shape spec.shape(loaded.num_tokens)
         cache.store(prompt_ids, kv)             # after the prefill: new full chunks
 
-It owns a :class:`~lmtier.runtime.Runtime` (one event loop thread) and the
-StorageManager on it; every method may be called from any thread. Token ids are
-hashed in the calling thread; tier I/O goes through the loop; a store touches only
-host memory, under the manager's lock, and never waits for the loop.
+The facade hashes token ids (in the calling thread), checks arguments and frames KV
+into slabs; where the chunks live is its :class:`~lmtier.store.ChunkStore`: a
+:class:`~lmtier.local_store.LocalStore` (``LMTier.open``: host memory and the
+configured tiers in this process) or a sidecar's
+(:func:`lmtier.connect`: :class:`~lmtier.remote.client.SidecarStore`). Every method
+may be called from any thread; a store touches only host memory, under the storage
+manager's lock, and never waits for I/O.
 
 Bad arguments are typed lmtier errors that say what to pass (InvalidRequestError
 and its InvalidTokensError and InvalidKVError, ConfigError for the cache's own
@@ -24,73 +27,55 @@ revision, a weights fingerprint) is required: two unnamed models would share KV.
 Engine integrations that already have chunk keys (the vLLM connector keys chunks
 by vLLM's block hashes) use the key-level methods: :meth:`LMTier.lookup_keys`,
 :meth:`LMTier.load_keys`, :meth:`LMTier.acquire_slabs` and :meth:`LMTier.put_encoded`.
+The cache-wide ones (pins, prefetch, purge, eviction listeners, flush, stats) are
+what an operator or a warm-up job does (``lmtier warm``, ``purge``, ``stats``).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 from lmtier import exiting
+from lmtier.arguments import checked_keys, require_int
 from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.hashers import make_hasher
-from lmtier.chunks.integrity import load_key
 from lmtier.chunks.keys import ChunkHasher, ChunkKey, ExtraKeys, Namespace
 from lmtier.chunks.tokens import TokenInput
 from lmtier.config import LMTierConfig, load_config
-from lmtier.errors import (
-    CacheClosedError,
-    ConfigError,
-    InvalidRequestError,
-    brief,
-)
+from lmtier.errors import CacheClosedError, ConfigError, InvalidRequestError
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
-from lmtier.maintenance import Maintenance, checked_keys
+from lmtier.local_store import LocalStore
+from lmtier.namespaces import Namespaces
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
-from lmtier.runtime import Runtime
-from lmtier.storage.check import ChunkCheck
-from lmtier.storage.cpu_tier import open_memory_tier
 from lmtier.storage.lookup import Lookup
-from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle
-from lmtier.storage.plugins import open_tiers
-from lmtier.storing import Encoded, Reserved, store_chunks
+from lmtier.storage.manager import EvictListener
+from lmtier.storage.memory import SlabHandle
+from lmtier.store import ChunkStore, StoreLayout
+from lmtier.storing import store_chunks
 
 __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
-logger = logging.getLogger(__name__)
-
-STORE_BATCH = 64
-"""Chunks :meth:`LMTier.store` frames per pair of trips to the event loop (one to take
-slabs, one to hand them over: ~60 us each here, so ~2 us a chunk)."""
-NAMESPACE_CACHE = 1024
-"""Tenants (``cache_salt`` values) whose namespace is kept ready; others are rebuilt
-(~3 us) when they come back. A bound: one entry per tenant forever grew without end."""
 EXIT_GRACE_S = 10.0
 """At exit, how long closing may take beyond ``close_flush_s`` (tiers closing, calls
 abandoned earlier finishing) before the process exits without it."""
+PREFETCH_BATCH = 32
+"""Chunks :meth:`LMTier.prefetch_keys` holds at once (64 MiB of 2 MiB chunks): a
+prompt of any length is brought in without needing host memory for all of it."""
 
 
-def _require_int(name: str, value: object, *, lowest: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise InvalidRequestError(f"{name} must be an int >= {lowest}, got {brief(value)}")
-    return value
-
-
-class LMTier(Maintenance):
-    """A multi-tier KV cache for one model. See the module docstring; its cache-wide
-    operations (pins, prefetch, purge, stats) are :class:`~lmtier.maintenance.Maintenance`."""
+class LMTier:
+    """A multi-tier KV cache for one model (module docstring). ``store``: where its
+    chunks live (default: a :class:`~lmtier.local_store.LocalStore` of ``config``)."""
 
     def __init__(
         self,
         config: LMTierConfig,
         kv: KVSpec,
         *,
+        store: ChunkStore | None = None,
         model_id: str | None = None,
         model_revision: str | None = None,
         tp_size: int = 1,
@@ -113,7 +98,7 @@ class LMTier(Maintenance):
                 "(model_revision, a weights fingerprint, also names the model)"
             )
         if vocab_size is not None:
-            _require_int("vocab_size", vocab_size, lowest=1)
+            require_int("vocab_size", vocab_size, lowest=1)
         self.config = config
         self.kv_spec = kv
         self.chunk_size = config.chunk_size
@@ -131,15 +116,16 @@ class LMTier(Maintenance):
             tp_rank=tp_rank,
             kv_block_size=kv.block_size,
         )
-        self._base_namespace = base
-        self._salted = functools.lru_cache(maxsize=NAMESPACE_CACHE)(
-            lambda salt: replace(base, cache_salt=salt)
+        self._namespaces = Namespaces(base)
+        self._layout = StoreLayout(
+            kv_spec=kv,
+            chunk_size=config.chunk_size,
+            framer=ChunkFramer(kv, config.chunk_size),
+            base=base,
+            namespace_of=self._namespaces.of_digest,
         )
-        self._framer = ChunkFramer(kv, config.chunk_size)
-        self._runtime = Runtime()
-        self._manager: StorageManager | None = None
-        self._pool: HostPool | None = None
-        self._closed = False
+        self._store: ChunkStore = store if store is not None else LocalStore(config)
+        self._started = self._closed = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -149,29 +135,15 @@ class LMTier(Maintenance):
         cache.start()
         return cache
 
-    @classmethod
-    def connect(
-        cls,
-        target: str | None = None,
-        config: LMTierConfig | None = None,
-        *,
-        kv: KVSpec,
-        **kwargs: Any,
-    ) -> LMTier:
-        """A started client of the sidecar at ``target`` (``unix:///path.sock`` or
-        ``host:port``; None: where ``lmtier serve`` listens with this config, its
-        ``sidecar.listen`` or else its default socket in ``$XDG_RUNTIME_DIR/lmtier``)
-        with this interface: :class:`lmtier.remote.client.SidecarClient` (the ``grpc``
-        extra). Keyword arguments: the model's (as :meth:`open`), and ``token``,
-        ``credentials``, ``shared_memory``, ``timeout_s``, ``client_name``."""
-        from lmtier.remote.client import SidecarClient, sidecar_target  # noqa: PLC0415
-
-        config = config if config is not None else load_config()
-        where = target if target is not None else sidecar_target(config)
-        return SidecarClient(where, config, kv, **kwargs).start()
+    @property
+    def chunk_store(self) -> ChunkStore:
+        """Where this cache's chunks live (:mod:`lmtier.store`)."""
+        return self._store
 
     def start(self) -> LMTier:
-        """Allocate the host pool, open the tiers and start background writers.
+        """Open the store: allocate host memory, open the tiers, start background
+        writers (embedded), or connect (a sidecar's client: one that is down is logged,
+        not raised, and costs misses until it is up).
 
         Host memory is ``cpu.capacity_bytes`` (when the CPU tier is on) plus
         ``cpu.staging_bytes``, in whole chunks, allocated now and never more.
@@ -179,61 +151,50 @@ class LMTier(Maintenance):
         with self._lock:
             if self._closed:
                 raise CacheClosedError("this LMTier was closed; open a new one")
-            if self._manager is not None:
+            if self._started:
                 return self
-            mac = load_key(self.config.integrity.key, self.config.integrity.key_file)
-            slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
-            memory = open_memory_tier(self.config, slab_bytes)
-            pool = memory.pool
-            check = ChunkCheck(self.kv_spec.geometry(self.chunk_size), mac)
-            self._runtime.start()
-            try:
-                tiers = self._runtime.run(open_tiers(self.config))
-                manager = StorageManager(memory, tiers, check=check)
-                self._runtime.run(manager.start())
-            except BaseException:
-                self._runtime.stop()
-                pool.close()
-                raise
-            self._pool, self._manager = pool, manager
-        exiting.close_at_exit(self)  # queued writes land even if close() is never called
+            self._store.start(self._layout)
+            self._started = True
+        if self._store.holds_writes:
+            exiting.close_at_exit(self)  # queued writes land even if close() is never called
         return self
 
-    def host_memory(self) -> HostMemory:
-        """What this cache holds in host memory now (a snapshot; any thread)."""
-        manager, pool = self._require(), self._pool
-        assert pool is not None  # set together with the manager
-        return HostMemory(
-            total_bytes=pool.nbytes,
-            slab_bytes=pool.slab_bytes,
-            slabs=pool.num_slabs,
-            slabs_in_use=pool.num_in_use,
-            cached_chunks=len(manager.memory),
-            cache_capacity_chunks=manager.memory.max_chunks,
-        )
+    def check(self, cache_salt: str = "") -> LMTier:
+        """Raise now why ``namespace(cache_salt)`` cannot be served, logging nothing: for
+        a sidecar's client BackendUnavailable (it did not answer), AuthenticationError
+        (it refused the token), PermissionDeniedError (the token does not cover that
+        namespace); an embedded cache always can. For tools that must not take "no
+        sidecar" for "nothing cached" (:mod:`lmtier.ops.caches`); an engine just calls,
+        and misses meanwhile."""
+        self._require().check(self.namespace(cache_salt))
+        return self
 
-    def in_memory(self, key: ChunkKey) -> bool:
-        """Whether chunk ``key`` is in the CPU tier now (no stats, no recency change)."""
-        return key in self._require().memory
-
-    def _require(self) -> StorageManager:
-        """The StorageManager (CacheClosedError before :meth:`start` or after close)."""
-        manager = self._manager
-        if manager is None:
+    def _require(self) -> ChunkStore:
+        """The store, while the cache is open (CacheClosedError before :meth:`start`
+        or after close)."""
+        if not self._started or self._closed:
             state = "closed" if self._closed else "not started; use LMTier.open(...) or .start()"
             raise CacheClosedError(f"this LMTier is {state}")
-        return manager
+        return self._store
 
-    def _check_open(self) -> None:
-        """CacheClosedError unless the cache is open (a hook: a sidecar client has no
-        StorageManager of its own)."""
-        self._require()
+    def host_memory(self) -> HostMemory:
+        """What this cache holds in host memory in this process now (a snapshot; a
+        sidecar's client: its private streaming pool; the sidecar's is in
+        :meth:`stats` under ``sidecar``)."""
+        return self._require().host_memory()
+
+    def in_memory(self, key: ChunkKey) -> bool:
+        """Whether chunk ``key`` is in this process's CPU tier now (no stats, no recency
+        change; always False for a sidecar's client)."""
+        return self._require().in_memory(key)
+
+    # ---- keys ----------------------------------------------------------------------
 
     def namespace(self, cache_salt: str = "") -> Namespace:
         """The namespace of this model for one tenant's ``cache_salt``."""
         if not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        return self._salted(cache_salt)
+        return self._namespaces.get(cache_salt)
 
     def keys(
         self, tokens: TokenInput, *, cache_salt: str = "", extras: ExtraKeys | None = None
@@ -253,6 +214,8 @@ class LMTier(Maintenance):
             extras=extras,
             vocab_size=self.vocab_size,
         )
+
+    # ---- lookups and loads ---------------------------------------------------------
 
     def lookup(
         self,
@@ -284,26 +247,15 @@ class LMTier(Maintenance):
     def lookup_keys_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
         """:meth:`lookup_keys` when every tier it must ask answers without I/O (host
         memory, the disk index), else None at once: for a caller that must not wait
-        on a remote tier (a scheduler) and asks it elsewhere instead."""
-        return self._lookup_now(checked_keys(keys))
-
-    def _lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
-        if not keys:
-            return Lookup(0, ())
-        return self._require().lookup_now(keys)
+        on a remote tier (a scheduler) and asks it elsewhere instead (a sidecar's
+        client always says None: every answer is a call)."""
+        keys = checked_keys(keys)
+        store = self._require()
+        return store.lookup_now(keys) if keys else Lookup(0, ())
 
     def _lookup(self, keys: Sequence[ChunkKey], *, local_only: bool) -> Lookup:
-        manager = self._require()
-        if not keys:
-            return Lookup(0, ())
-        if local_only:
-            return manager.lookup_local(keys)
-        # In-memory indexes answer in this thread; only tiers that need I/O cost a
-        # hop to the runtime's loop (~60 us here: more than the lookup itself).
-        found = manager.lookup_now(keys)
-        if found is None:
-            found = self._runtime.run(manager.lookup(keys))
-        return found
+        store = self._require()
+        return store.lookup(keys, local_only=local_only) if keys else Lookup(0, ())
 
     def load_keys(self, keys: Sequence[ChunkKey], lookup: Lookup | None = None) -> LoadResult:
         """Load the leading servable chunks of ``keys`` (release the result when done).
@@ -314,32 +266,9 @@ class LMTier(Maintenance):
         return self._load(checked_keys(keys), lookup, caller())
 
     def _load(self, keys: Sequence[ChunkKey], lookup: Lookup | None, origin: str) -> LoadResult:
-        manager = self._require()
-        chunks = self._runtime.run(manager.get(keys, lookup)) if keys else []
+        store = self._require()
+        chunks = store.load(keys, lookup) if keys else []
         return LoadResult(chunks, self.chunk_size, self.kv_spec, origin)
-
-    def acquire_slabs(self, count: int) -> list[SlabHandle]:
-        """Up to ``count`` free host slabs to encode chunks into (evicting idle cached
-        chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
-        _require_int("count", count)
-        manager = self._require()
-        return manager.acquire_slabs(count, True) if count > 0 else []
-
-    def seal_slab(self, handle: SlabHandle, meta: ChunkMeta) -> int:
-        """Frame a payload already copied into ``handle``'s slab at its place
-        (:func:`lmtier.kv_spec.payload_tensor`). Returns the encoded length, for
-        :meth:`put_encoded`. No pass over the payload here: its checksum, and its MAC
-        when an integrity key is set, are computed in the background before the chunk
-        is written below host memory (:mod:`lmtier.storage.sealing`)."""
-        return frame_slab(handle, meta)
-
-    def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
-        """Store chunks already encoded in slabs (``(key, lease, encoded length)``); takes
-        ownership of each lease. The CPU tier adopts them now, lower tiers in the
-        background. Returns how many every write-through tier's queue took (the rest
-        were dropped there, and counted in its ``queue_drops``)."""
-        manager = self._require()
-        return manager.put_many(encoded) if encoded else 0
 
     def load(
         self,
@@ -358,6 +287,30 @@ class LMTier(Maintenance):
         """
         keys = self._limited_keys(tokens, cache_salt, extras, max_tokens, skip_tokens)
         return self._load(keys, None, caller())
+
+    # ---- stores --------------------------------------------------------------------
+
+    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+        """Up to ``count`` free host slabs to encode chunks into (evicting idle cached
+        chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
+        require_int("count", count)
+        return self._require().acquire_slabs(count) if count > 0 else []
+
+    def seal_slab(self, handle: SlabHandle, meta: ChunkMeta) -> int:
+        """Frame a payload already copied into ``handle``'s slab at its place
+        (:func:`lmtier.kv_spec.payload_tensor`). Returns the encoded length, for
+        :meth:`put_encoded`. No pass over the payload here: its checksum, and its MAC
+        when an integrity key is set, are computed in the background before the chunk
+        is written below host memory (:mod:`lmtier.storage.sealing`)."""
+        return frame_slab(handle, meta)
+
+    def put_encoded(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
+        """Store chunks already encoded in slabs (``(key, lease, encoded length)``); takes
+        ownership of each lease. The CPU tier adopts them now, lower tiers in the
+        background. Returns how many every write-through tier's queue took (the rest
+        were dropped there, and counted in its ``queue_drops``)."""
+        store = self._require()
+        return store.hand_over(list(encoded))() if encoded else 0
 
     def store(
         self,
@@ -380,8 +333,8 @@ class LMTier(Maintenance):
         tiers are not asked), and if every host slab is held by readers and pending
         writes, the remaining chunks are dropped and counted (``cpu.queue_drops``).
         """
-        self._check_open()  # fail fast when closed, before any work
-        return self._store(self.keys(tokens, cache_salt=cache_salt, extras=extras), kv, None)
+        self._require()  # fail fast when closed, before any work
+        return self._store_keys(self.keys(tokens, cache_salt=cache_salt, extras=extras), kv, None)
 
     def store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, *, skip: int | None = None) -> int:
         """:meth:`store` for the keys of a sequence already hashed (chunk ``i`` is
@@ -390,29 +343,85 @@ class LMTier(Maintenance):
         ``skip``: how many leading chunks the caller knows are cached (the lookup it has
         just made); None asks the local tiers.
         """
-        return self._store(checked_keys(keys), kv, skip)
+        return self._store_keys(checked_keys(keys), kv, skip)
 
-    def _store(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
-        """:meth:`store_keys` for keys this cache made (not checked again)."""
-        self._check_open()
+    def _store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
+        store = self._require()
         if skip is not None:
-            _require_int("skip", skip)
-        return store_chunks(self, keys, kv, skip)
+            require_int("skip", skip)
+        return store_chunks(store, self._layout, keys, kv, skip)
 
-    store_batch = STORE_BATCH
+    # ---- cache-wide operations -----------------------------------------------------
 
-    def _reserve(
-        self, keys: Sequence[ChunkKey], skip: int | None, count: int
-    ) -> tuple[int, Reserved]:
-        """How many leading ``keys`` a store skips (``skip``, else the local tiers say),
-        and slabs reserved for the rest (:mod:`lmtier.storing`): none here."""
-        present = skip if skip is not None else self._lookup(keys, local_only=True).num_chunks
-        return present, Reserved()
+    def pin_keys(self, keys: Sequence[ChunkKey]) -> dict[str, int]:
+        """Keep the chunks of ``keys`` out of LRU eviction in the tiers that evict by LRU
+        (host memory, disk), within each tier's ``max_pinned_fraction`` of capacity: a
+        warmed system prompt stays cached whatever other traffic passes. Per tier name,
+        how many of ``keys`` it has pinned now (-1: the tier failed). Chunks a tier does
+        not hold are skipped, so call :meth:`flush` after storing. Disk pins survive
+        restarts; host-memory pins last as long as this cache (or its sidecar)."""
+        keys = checked_keys(keys)
+        return self._require().pin(keys)
 
-    def _hand_over(self, encoded: Encoded) -> Callable[[], int]:
-        """Give filled slabs to the cache now (:mod:`lmtier.storing`)."""
-        stored = self.put_encoded(encoded)
-        return lambda: stored
+    def unpin_keys(self, keys: Sequence[ChunkKey] | None = None) -> dict[str, int]:
+        """Make pinned chunks evictable again (``keys`` None: every pinned chunk this
+        cache may unpin: every namespace's embedded, this client's namespace through a
+        sidecar); per tier name, how many were pinned (-1: the tier failed)."""
+        if keys is not None:
+            keys = checked_keys(keys)
+        return self._require().unpin(keys)
+
+    def prefetch_keys(self, keys: Sequence[ChunkKey]) -> dict[str, int]:
+        """Bring the leading cached chunks of ``keys`` into this node's fast tiers: each
+        is read from the tier that holds it and promoted as a load promotes it (into
+        host memory, and written to every tier above its source: a Redis or S3 hit lands
+        on local disk), without being copied out. Reads ``PREFETCH_BATCH`` chunks at a
+        time and stops at the first miss; waits for the writes (:meth:`flush`). Per
+        source tier name, how many chunks came from it."""
+        keys = checked_keys(keys)
+        served: dict[str, int] = {}
+        for start in range(0, len(keys), PREFETCH_BATCH):
+            part = keys[start : start + PREFETCH_BATCH]
+            with self.load_keys(part) as hit:
+                count = len(hit.chunks)
+                for chunk in hit.chunks:
+                    served[chunk.tier] = served.get(chunk.tier, 0) + 1
+            if count < len(part):
+                break
+        self.flush()
+        return served
+
+    def add_evict_listener(self, callback: EvictListener) -> None:
+        """Call ``callback(key)`` with the key of every chunk the CPU tier evicts from
+        now on (the chunk may still be in a lower tier). Registration is thread-safe;
+        the callback runs inside the eviction, under the cache's lock, in the thread
+        that caused it (the runtime's loop, or one calling ``store`` or
+        ``put_encoded``), so it must be quick, thread-safe, and must not call back
+        into this cache. One that raises is logged and ignored. A sidecar's client
+        accepts it and never calls it: evictions happen in the sidecar."""
+        self._require().add_evict_listener(callback)
+
+    def remove_evict_listener(self, callback: EvictListener) -> None:
+        """Stop calling ``callback`` (a no-op once the cache is closed)."""
+        if self._started and not self._closed:
+            self._store.remove_evict_listener(callback)
+
+    def purge(self, cache_salt: str = "", *, dry_run: bool = False) -> dict[str, int]:
+        """Delete every chunk of this model's namespace under ``cache_salt`` from every
+        tier; chunks deleted by tier name (-1: the tier failed, -2: it cannot list).
+        With ``dry_run``, delete nothing: count what would go."""
+        return self._require().purge(self.namespace(cache_salt), dry_run=dry_run)
+
+    def flush(self) -> None:
+        """Wait until background writes queued so far have been attempted."""
+        self._require().flush()
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Per tier: counters (:class:`~lmtier.storage.stats.TierStats`), and what it
+        holds where it can tell (``Tier.usage``: capacity, used, chunks, pins)."""
+        return self._require().stats()
+
+    # ---- the rest ------------------------------------------------------------------
 
     def _limited_keys(
         self,
@@ -423,8 +432,8 @@ class LMTier(Maintenance):
         skip_tokens: int = 0,
     ) -> list[ChunkKey]:
         if max_tokens is not None:
-            _require_int("max_tokens", max_tokens)
-        _require_int("skip_tokens", skip_tokens)
+            require_int("max_tokens", max_tokens)
+        require_int("skip_tokens", skip_tokens)
         if skip_tokens % self.chunk_size:
             raise InvalidRequestError(
                 f"skip_tokens must be a multiple of the chunk size {self.chunk_size}, "
@@ -436,8 +445,9 @@ class LMTier(Maintenance):
         return keys[skip_tokens // self.chunk_size :]
 
     def close(self) -> None:
-        """Flush background writes (up to ``close_flush_s``), close the tiers, stop the
-        runtime. Idempotent; the cache cannot be used (CacheClosedError) or started
+        """Flush background writes (up to ``close_flush_s``) and close the store (its
+        tiers and runtime; a sidecar's client: its sessions, so the sidecar gets every
+        slab back). Idempotent; the cache cannot be used (CacheClosedError) or started
         again afterwards. A program that exits without it gets the same close, from
         an exit hook (:mod:`lmtier.exiting`)."""
         self._close(None)
@@ -449,26 +459,10 @@ class LMTier(Maintenance):
 
     def _close(self, timeout_s: float | None) -> None:
         with self._lock:
-            manager, pool = self._manager, self._pool
-            self._manager = self._pool = None
-            self._closed = True
+            started, self._closed = self._started and not self._closed, True
         exiting.forget(self)
-        if manager is None:
-            return
-        timed_out = False
-        try:
-            self._runtime.run(manager.close(self.config.close_flush_s), timeout_s)
-        except TimeoutError:
-            if timeout_s is None:
-                raise
-            # At exit: the loop's thread is a daemon, it ends with the process.
-            timed_out = True
-            logger.warning("exit: closing the cache took over %g s; not waiting more", timeout_s)
-        finally:
-            if not timed_out:
-                self._runtime.stop()
-                if pool is not None:
-                    pool.close()
+        if started:
+            self._store.close(timeout_s)
 
     def __enter__(self) -> LMTier:
         return self.start()

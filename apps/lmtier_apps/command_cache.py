@@ -37,14 +37,23 @@ def open_command_cache(
     from ``args.sidecar_token_file``); ``client_name`` is how the sidecar's logs and
     metrics name this process."""
     from lmtier.api import LMTier  # noqa: PLC0415 - torch, only when a command runs
+    from lmtier.remote.client import connect  # noqa: PLC0415 - the grpc extra
 
-    model = {"model_id": model_id, "model_revision": revision, "vocab_size": vocab_size}
     if not args.sidecar:
-        return LMTier.open(config, kv=spec, **model)
+        return LMTier.open(
+            config, kv=spec, model_id=model_id, model_revision=revision, vocab_size=vocab_size
+        )
     token_file = getattr(args, "sidecar_token_file", None)
     token = read_secret_file(token_file, "--sidecar-token-file") if token_file else None
-    return LMTier.connect(
-        args.sidecar, config, kv=spec, token=token, client_name=client_name, **model
+    return connect(
+        args.sidecar,
+        config,
+        kv=spec,
+        token=token,
+        client_name=client_name,
+        model_id=model_id,
+        model_revision=revision,
+        vocab_size=vocab_size,
     )
 
 

@@ -68,12 +68,17 @@ def connect_sidecar(
     refuses the token, PermissionDeniedError when the token does not cover that
     namespace (each one line).
     """
-    from lmtier.remote.client import SidecarClient  # noqa: PLC0415 - the grpc extra
+    from lmtier.api import LMTier  # noqa: PLC0415 - torch, only when a command runs
+    from lmtier.remote.client import SidecarStore  # noqa: PLC0415 - the grpc extra
 
-    token = _token(config, token_file)
-    cache = SidecarClient(
-        target, config, kv, token=token, shared_memory=False, client_name="lmtier ops", **model
+    store = SidecarStore(
+        target,
+        token=_token(config, token_file),
+        shared_memory=False,
+        client_name="lmtier ops",
+        open_session=False,  # the check below opens the one it asks through
     )
+    cache = LMTier(config, kv, store=store, **model).start()
     try:
         return cache.check(cache_salt)
     except BaseException:

@@ -1,4 +1,9 @@
-"""A client's lease on a slab of the sidecar's shared pool.
+"""The lease protocol of a sidecar's shared pool, client side: this module is its one
+owner. :class:`~lmtier.remote.client.SidecarStore` asks it for slabs to store into
+(:func:`reserve_shared`, :func:`acquire_shared`), hands them back filled
+(:func:`commit_shared`) and loads chunks in place (:func:`load_shared`); it builds
+every request that grants, carries or ends a lease; the connection sends them (and
+batches the releases queued here into the next call).
 
 :class:`RemoteSlab` is a :class:`~lmtier.storage.memory.SlabHandle` over the client's
 mapping of the pool, so everything written for host slabs (``LoadResult``, the
@@ -20,22 +25,25 @@ from lmtier.remote.connection import ClientSession, Connection, SidecarUnavailab
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk
 from lmtier.storage.memory import HostPool, SlabHandle, SoleLease
-from lmtier.storing import Reserved
+from lmtier.store import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 
 __all__ = [
     "LEASE_MARGIN",
+    "SUB_LOAD",
     "RemoteSlab",
+    "acquire_shared",
     "checked_chunks",
     "commit_shared",
-    "granted_slabs",
-    "leased_chunks",
+    "load_shared",
     "reserve_shared",
 ]
 
 LEASE_MARGIN = 0.9
 """Part of a lease's life this client uses: it stops touching a slab well before the
 sidecar may reclaim it."""
+SUB_LOAD = 32
+"""Chunks per Load when a long load is pipelined on the lane."""
 
 
 class RemoteSlab(SoleLease):
@@ -85,7 +93,51 @@ class RemoteSlab(SoleLease):
             raise HandleError(f"slab {self._index}: {what} used after its sidecar lease expired")
 
 
-def leased_chunks(
+def load_shared(
+    check: ChunkCheck,
+    connection: Connection,
+    session: ClientSession,
+    request: pb.LoadRequest,
+    keys: Sequence[ChunkKey],
+) -> list[LoadedChunk]:
+    """A load through shared memory: ``request`` carries the leases this session has
+    ended since its last call, and the chunks come back as :class:`RemoteSlab` leases,
+    checked. On the lane, a long load is asked as several pipelined Loads
+    (``SUB_LOAD`` chunks each), so this client checks one part's chunks while the
+    sidecar serves the next."""
+    request.release.extend(connection.take_releases(session))
+    parts = [(request, keys)]
+    if session.lane is not None and len(keys) > SUB_LOAD and not request.lookup:
+        parts = [
+            (
+                pb.LoadRequest(session_id=session.id, keys=b"".join(keys[i : i + SUB_LOAD])),
+                keys[i : i + SUB_LOAD],
+            )
+            for i in range(0, len(keys), SUB_LOAD)
+        ]
+        parts[0][0].release.extend(request.release)
+    sent = time.monotonic()
+    answers = [connection.start(session, "Load", part) for part, _ in parts]
+    deadline = sent + session.info.lease_ttl_s * LEASE_MARGIN
+    chunks: list[LoadedChunk] = []
+    complete = True
+    for (_, part_keys), answer in zip(parts, answers, strict=True):
+        try:
+            reply = answer()
+        except SidecarUnavailable:
+            complete = False  # the rest (if any come) is given back below
+            continue
+        if not complete:  # past the first miss: not part of the prefix
+            for item in reply.chunks:
+                connection.release(session, item.lease)
+            continue
+        got = _leased_chunks(check, connection, session, part_keys, reply, deadline=deadline)
+        chunks += got
+        complete = len(got) == len(part_keys)
+    return chunks
+
+
+def _leased_chunks(
     check: ChunkCheck,
     connection: Connection,
     session: ClientSession,
@@ -179,10 +231,21 @@ def reserve_shared(
         Reserved(coming=coming).release()  # its leases are given back, not left held
         raise
     present = reply.present if skip is None else skip
-    return present, Reserved(granted_slabs(connection, session, reply, sent), coming)
+    return present, Reserved(_granted_slabs(connection, session, reply, sent), coming)
 
 
-def granted_slabs(
+def acquire_shared(connection: Connection, session: ClientSession, count: int) -> list[SlabHandle]:
+    """``count`` free slabs of the shared pool (one AcquireSlabs, which also ends the
+    leases this session has ended since its last call), as :class:`RemoteSlab` leases."""
+    request = pb.AcquireSlabsRequest(
+        session_id=session.id, count=count, release=connection.take_releases(session)
+    )
+    sent = time.monotonic()
+    reply = connection.unary(session, "AcquireSlabs", request)
+    return _granted_slabs(connection, session, reply, sent)
+
+
+def _granted_slabs(
     connection: Connection, session: ClientSession, reply: Any, sent: float
 ) -> list[SlabHandle]:
     """An AcquireSlabsReply's slabs as :class:`RemoteSlab` leases (``sent``: when
@@ -207,7 +270,7 @@ def _granted_later(
     connection: Connection, session: ClientSession, answer: Callable[[], Any], sent: float
 ) -> list[SlabHandle]:
     try:
-        return granted_slabs(connection, session, answer(), sent)
+        return _granted_slabs(connection, session, answer(), sent)
     except SidecarUnavailable:
         return []  # no slab free (or no sidecar): the chunks left are dropped
 

@@ -26,7 +26,6 @@ carries only ``Peer``, so the node secret cannot open sessions through it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,14 +35,13 @@ import grpc
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError, InvalidRequestError
+from lmtier.local_store import HostView
 from lmtier.sidecar.auth import Authenticator, tls_server_credentials
 from lmtier.sidecar.listen import HANDSHAKE_TIMEOUT_MS, parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.status import lenient, parsed, status_of
-from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.node import LocalNode
 from lmtier.storage.plugins import peer_section
-from lmtier.storage.sealing import Sealer
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.peer_auth import ProofChecker, node_key
 from lmtier.wire.pieces import chunk_pieces
@@ -67,10 +65,7 @@ class PeerServer:
         config: LMTierConfig,
         auth: Authenticator,
         metrics: SidecarMetrics,
-        memory: CPUTier,
-        lock: threading.RLock,
-        *,
-        sealer: Sealer,
+        host: HostView,
     ) -> None:
         self.config = config
         self.peer = peer = peer_section(config, directory=False)
@@ -85,7 +80,7 @@ class PeerServer:
                 key="peer.token",
             )
         self.metrics = metrics
-        self.memory, self.lock, self.sealer = memory, lock, sealer
+        self.memory, self.lock, self.sealer = host
         self._piece = config.sidecar.stream_piece_bytes
         self._server: grpc.aio.Server | None = None
         self.checker: ProofChecker | None = None

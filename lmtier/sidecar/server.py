@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lmtier.chunks.integrity import load_key
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError
+from lmtier.local_store import LocalStore
 from lmtier.sidecar.auth import Authenticator, server_credentials
 from lmtier.sidecar.lane import LaneServer, lane_path
 from lmtier.sidecar.listen import (
@@ -48,9 +48,6 @@ from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.status import lenient
-from lmtier.storage.cpu_tier import open_memory_tier
-from lmtier.storage.manager import StorageManager
-from lmtier.storage.plugins import open_tiers
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.shm import SharedRegion
 
@@ -85,7 +82,7 @@ class Sidecar:
         self._metrics_server: MetricsServer | None = None
         self._lane: LaneServer | None = None
         self._peer: PeerServer | None = None
-        self._manager: StorageManager | None = None
+        self._store: LocalStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = asyncio.Event()
         self._draining = False
@@ -107,36 +104,38 @@ class Sidecar:
             self.shm = SharedRegion.create(side.shm_dir, size)
             return self.shm.tensor
 
-        memory = open_memory_tier(config, side.slab_bytes, shared if offer_shm else None)
-        pool = memory.pool
-        mac = load_key(config.integrity.key, config.integrity.key_file)
-        check = NamespaceCheck(mac)
+        store = LocalStore(config)
         try:
-            tiers = await open_tiers(config)
-            manager = StorageManager(memory, tiers, check=check)
-            await manager.start()
+            check = await store.open(side.slab_bytes, NamespaceCheck, shared if offer_shm else None)
         except BaseException:
-            pool.close()
             self._drop_shm()
             raise
-        self._manager = manager
-        await self._open_peer(manager)
+        self._store = store
+        try:
+            await self._open_peer(store)
+        except BaseException:
+            await self._abandon_start()
+            raise
+        pool = store.pool
         sessions = Sessions(
             max_sessions=side.max_sessions,
             lease_ttl_s=side.lease_ttl_s,
             shares=self._shares(pool.num_slabs),
         )
-        parts = Parts(config, manager, pool, check, sessions, self.auth, self.metrics, self.shm)
+        parts = Parts(
+            config, store.manager, pool, check, sessions, self.auth, self.metrics, self.shm
+        )
         self.service = service = SidecarService(parts)
-        self._pool = pool
         try:
             await self._serve(service)
         except BaseException:
             await self._abandon_start()
             raise
         self.metrics.set_sources(
-            tiers=lambda: {t.name: t.stats for t in (manager.memory, *manager.tiers)},
-            extra=lambda: _queue_depths(manager),
+            tiers=lambda: {t.name: t.stats for t in (store.manager.memory, *store.manager.tiers)},
+            extra=lambda: {
+                name: {"queue_depth": float(depth)} for name, depth in store.queue_depths().items()
+            },
             gauges=service.gauges,
         )
         if side.metrics_listen:
@@ -156,9 +155,9 @@ class Sidecar:
         bind): close them, and leave no pool file behind."""
         if self._peer is not None:
             await self._peer.stop(None)
-        if self._manager is not None:
-            await self._manager.close()
-        self._pool.close()
+        if self._store is not None:
+            await self._store.shut(None)
+            self._store.release()
         self._drop_shm()
 
     def _shares(self, num_slabs: int) -> Shares:
@@ -182,30 +181,14 @@ class Sidecar:
             )
         return shares
 
-    async def _open_peer(self, manager: StorageManager) -> None:
+    async def _open_peer(self, store: LocalStore) -> None:
         """With ``peer.listen``: serve this node's CPU tier to other nodes
         (:mod:`.peer`) and tell the tiers, so that the peer tier publishes it."""
         if not (self.config.peer.enabled and self.config.peer.listen):
             return
-        peer = PeerServer(
-            self.config,
-            self.auth,
-            self.metrics,
-            manager.memory,
-            manager.lock,
-            sealer=manager.writes.sealer,
-        )
-        try:
-            node = await peer.start()
-            for tier in manager.tiers:
-                await tier.attach_node(node)
-        except BaseException:
-            await peer.stop(None)
-            await manager.close()
-            manager.memory.pool.close()
-            self._drop_shm()
-            raise
+        peer = PeerServer(self.config, self.auth, self.metrics, store.host_view())
         self._peer = peer
+        await store.attach_node(await peer.start())
 
     async def _serve(self, service: SidecarService) -> None:
         side = self.config.sidecar
@@ -299,7 +282,7 @@ class Sidecar:
             self._closed.set()
 
     async def _drain(self, deadline: float) -> None:
-        service, server, manager = self.service, self._server, self._manager
+        service, server, store = self.service, self._server, self._store
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         if service is not None:
@@ -309,12 +292,13 @@ class Sidecar:
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
-        if manager is not None:
+        if store is not None:
             try:
-                await asyncio.wait_for(manager.flush(), max(0.1, deadline - time.monotonic()))
+                flush = store.manager.flush()
+                await asyncio.wait_for(flush, max(0.1, deadline - time.monotonic()))
             except TimeoutError:
                 logger.warning("drain: background writes still queued at the deadline")
-            await manager.close()  # the peer tier withdraws this node from the directory
+            await store.shut(None)  # the peer tier withdraws this node from the directory
         if self._peer is not None:
             await self._peer.stop(0)
         if service is not None:
@@ -340,7 +324,8 @@ class Sidecar:
         """The last of a drain: metrics, the pool and its file, the socket."""
         if self._metrics_server is not None:
             self._metrics_server.close()
-        self._pool.close()
+        if self._store is not None:
+            self._store.release()
         self._drop_shm()
         if self.address.kind == "unix" and self.address.path is not None:
             with contextlib.suppress(OSError):
@@ -376,17 +361,6 @@ def method_handlers(service: SidecarService) -> grpc.GenericRpcHandler:
             response_serializer=None if method.name == "LoadStream" else reply.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-
-def _queue_depths(manager: StorageManager) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for tier in manager.tiers:
-        depth = manager.writes.depth(tier)
-        if depth is None:  # a tier without writes may still have work waiting (peer)
-            depth = tier.usage().get("pending")
-        if depth is not None:
-            out[tier.name] = {"queue_depth": float(depth)}
-    return out
 
 
 async def serve(config: LMTierConfig, listen: str | None = None) -> int:

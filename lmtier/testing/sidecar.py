@@ -3,7 +3,7 @@ config on a unix socket in a private directory, waited for until its health serv
 answers SERVING, stopped by its pid.
 
     with SidecarProcess(tmp_path, {"cpu": {"capacity_bytes": "64MiB"}}) as sidecar:
-        cache = LMTier.connect(sidecar.target, kv=spec, model_id="m")
+        cache = lmtier.connect(sidecar.target, kv=spec, model_id="m")
 
 Nothing is faked: the process is the CLI a user runs (``python -m lmtier.cli``), so a
 test that kills it with SIGKILL kills a real sidecar.

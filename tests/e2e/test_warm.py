@@ -20,6 +20,7 @@ import torch
 from demo_server import CHUNK as SERVE_CHUNK
 from demo_server import LONG_TEXT, Server
 
+import lmtier
 from lmtier import LMTier, load_config
 from lmtier_apps.demo.demo_model import build_demo_model
 from lmtier_apps.demo.demo_tokenizer import demo_tokenizer
@@ -244,7 +245,7 @@ def test_warm_into_a_sidecar_serves_its_clients(tmp_path: Path) -> None:
         summary, _ = warm(config, *args, "-", stdin=json.dumps({"tokens": prompt}) + "\n")
         assert summary["warmed"] == 1 and summary["pinned"] == {"cpu": 4}
         demo = build_demo_model(0)
-        with LMTier.connect(
+        with lmtier.connect(
             sidecar.target,
             load_config(config),
             kv=kv_spec_of(demo.model),

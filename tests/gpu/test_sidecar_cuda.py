@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from lmtier import KVSpec, LMTier, load_config  # noqa: E402
-from lmtier.remote.client import SidecarClient  # noqa: E402
+from lmtier import KVSpec, connect, load_config  # noqa: E402
+from lmtier.remote.client import SidecarStore  # noqa: E402
 from lmtier.testing.sidecar import SidecarProcess  # noqa: E402
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")
@@ -24,10 +24,11 @@ SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")
 def test_gpu_kv_through_the_pinned_shared_pool(tmp_path: Path) -> None:
     settings = {"cpu": {"capacity_bytes": "256MiB", "staging_bytes": "64MiB"}}
     with SidecarProcess(tmp_path, settings) as sidecar:
-        cache = LMTier.connect(sidecar.target, load_config(env={}), kv=SPEC, model_id="gpu")
+        cache = connect(sidecar.target, load_config(env={}), kv=SPEC, model_id="gpu")
         try:
-            assert isinstance(cache, SidecarClient)
-            connection = cache._conn()
+            store = cache.chunk_store
+            assert isinstance(store, SidecarStore)
+            connection = store._conn()
             session = connection.session(cache.namespace())
             assert session.pool is not None
             regions = connection.pools.regions()

@@ -1,5 +1,5 @@
 """A client process of a sidecar for the integration tests: run as a script, it does
-one thing through ``LMTier.connect`` and prints one JSON line per step.
+one thing through ``lmtier.connect`` and prints one JSON line per step.
 
     python sidecar_client.py TARGET store PROMPT_SEED N_TOKENS [--stream] [--salt S]
     python sidecar_client.py TARGET load PROMPT_SEED N_TOKENS [--stream] [--salt S]
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import lmtier
 from lmtier import KVSpec, LMTier, load_config
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64)
@@ -47,7 +48,7 @@ def digest(tensor: torch.Tensor | None) -> str:
 
 def connect(target: str, *, stream: bool, timeout_s: float = 10.0, **options: Any) -> LMTier:
     config = load_config(env={})
-    return LMTier.connect(
+    return lmtier.connect(
         target,
         config,
         kv=SPEC,

@@ -32,6 +32,7 @@ import redis
 import torch
 from redis_servers import RedisClusterProcesses, require_redis
 
+import lmtier
 from lmtier import KVSpec, LMTier, load_config
 from lmtier.errors import ConfigError
 from lmtier_apps.cluster import commands
@@ -209,7 +210,7 @@ def test_the_peer_tier_serves_bit_exact_and_only_to_the_node_secret(
     config = load_config(
         env={}, overrides={"cpu": {"capacity_bytes": "4MiB", "staging_bytes": "4MiB"}}
     )
-    node_b = LMTier.connect(
+    node_b = lmtier.connect(
         cluster.state.nodes[1].socket, config, kv=spec, model_id="cluster/peer", token=token
     )
     good = _peer_only_cache(cluster, spec)
@@ -271,8 +272,8 @@ def test_a_wrong_token_cannot_use_a_sidecar(cluster: LocalCluster) -> None:
     tokens = list(range(1000, 1000 + 3 * CHUNK + 5))
     kv = torch.randn(spec.shape(len(tokens)), generator=torch.Generator().manual_seed(3))
     token = cluster.secrets.sidecar_token
-    good = LMTier.connect(socket, config, kv=spec, model_id="cluster/token", token=token)
-    bad = LMTier.connect(socket, config, kv=spec, model_id="cluster/token", token="wrong-" + token)
+    good = lmtier.connect(socket, config, kv=spec, model_id="cluster/token", token=token)
+    bad = lmtier.connect(socket, config, kv=spec, model_id="cluster/token", token="wrong-" + token)
     try:
         assert good.store(tokens, kv) == 3
         assert good.lookup(tokens).num_chunks == 3

@@ -24,7 +24,8 @@ import pytest
 import torch
 import yaml
 
-from lmtier import KVSpec, LMTier, load_config
+import lmtier
+from lmtier import KVSpec, load_config
 from lmtier.cli import _build_parser
 from lmtier.testing.sidecar import SidecarProcess
 
@@ -445,7 +446,7 @@ def exported_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     with SidecarProcess(folder, settings) as sidecar:
         client = load_config(env={}, overrides={"cpu": {"capacity_bytes": "1MiB"}})
         spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
-        with LMTier.connect(sidecar.target, client, kv=spec, model_id="compose") as cache:
+        with lmtier.connect(sidecar.target, client, kv=spec, model_id="compose") as cache:
             tokens = list(range(600))
             cache.store(tokens, torch.ones(spec.shape(len(tokens))))
             with cache.load(tokens) as hit:

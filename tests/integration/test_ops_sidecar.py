@@ -14,7 +14,7 @@ import torch
 import yaml
 from sidecar_helpers import run_lmtier
 
-from lmtier import KVSpec, LMTier, load_config
+from lmtier import KVSpec, connect, load_config
 from lmtier.ops.stats import schema_problems
 from lmtier.testing.sidecar import SidecarProcess
 
@@ -59,7 +59,7 @@ def fill(target: str, config_path: Path) -> None:
     """Store PROMPT through the sidecar (its host memory keeps the last CPU_CHUNKS,
     its disk all six), then load the first two chunks back into its host memory."""
     kv = torch.randn(SPEC.shape(len(PROMPT)), generator=torch.Generator().manual_seed(1))
-    with LMTier.connect(target, load_config(config_path), kv=SPEC) as cache:
+    with connect(target, load_config(config_path), kv=SPEC) as cache:
         assert cache.store(PROMPT, kv) == 6
         cache.flush()
         with cache.load(PROMPT[: 2 * CHUNK]) as hit:

@@ -190,7 +190,7 @@ def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
 ) -> None:
     ids, kv = prompt(13, TOKENS), kv_of(13, TOKENS)
     client = connect(sidecar.target, stream=True, timeout_s=1.0, staging_bytes=4 << 20)
-    streams = client._sending  # type: ignore[attr-defined]
+    streams = client.chunk_store._sending  # type: ignore[attr-defined]
     start = streams.start
 
     def start_stopped(*args: Any) -> Any:
@@ -289,7 +289,7 @@ def test_a_hung_sidecar_is_probed_in_the_background_not_by_callers(
 ) -> None:
     ids, kv = prompt(15, TOKENS), kv_of(15, TOKENS)
     client = connect(sidecar.target, stream=stream, timeout_s=1.0)
-    connection = client._connection  # type: ignore[attr-defined]
+    connection = client.chunk_store._connection  # type: ignore[attr-defined]
     breaker = connection._breaker
     opened_by: list[str] = []
     open_session = connection._open
@@ -403,12 +403,13 @@ def test_purge_empties_one_tenant_and_keeps_the_other(
 def test_the_sidecar_hashes_token_ids_as_clients_do(
     sidecar: SidecarProcess, observer: LMTier
 ) -> None:
-    from lmtier.remote.client import SidecarClient
+    from lmtier.remote.client import SidecarStore
     from lmtier.v1 import sidecar_pb2 as pb
 
-    assert isinstance(observer, SidecarClient)
+    store = observer.chunk_store
+    assert isinstance(store, SidecarStore)
     ids = prompt(9, TOKENS)
-    connection = observer._conn()
+    connection = store._conn()
     session = connection.session(observer.namespace())
     request = pb.LookupRequest(session_id=session.id, tokens=pb.TokenIds(ids=ids))
     assert connection.stub.Lookup(request).keys == b"".join(observer.keys(ids))

@@ -10,7 +10,7 @@
   one-line message; so does a loopback TCP listener without a token (unless
   ``allow_tcp_without_token``, logged), and another local user (``nobody``, a real
   second uid) reads nothing of a loopback sidecar's KV; with TLS, raw stubs and
-  ``LMTier.connect`` work over TCP (streamed, bit-exact).
+  ``lmtier.connect`` work over TCP (streamed, bit-exact).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from sidecar_helpers import (
     write_tokens,
 )
 
+import lmtier
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.errors import AuthenticationError, PermissionDeniedError
 from lmtier.ops.stats import schema_problems
@@ -387,7 +388,7 @@ def test_tokens_never_reach_the_log(secured: SidecarProcess, stub: pb_grpc.Sidec
         assert token[-12:] not in log
 
 
-# --- a client whose token is scoped to one salt (LMTier.connect, lmtier ops) ---------
+# --- a client whose token is scoped to one salt (lmtier.connect, lmtier ops) ---------
 
 SCOPED_SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64)
 """The geometry of :data:`sidecar_helpers.NAMESPACE`: 8 KiB chunks of 16 tokens, which
@@ -397,7 +398,7 @@ OPS_GEOMETRY = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "64"]
 
 def scoped_client(sidecar: SidecarProcess, token: str = TENANT_A) -> LMTier:
     config = LMTierConfig(chunk_size=16)
-    return LMTier.connect(sidecar.target, config, kv=SCOPED_SPEC, model_id=MODEL, token=token)
+    return lmtier.connect(sidecar.target, config, kv=SCOPED_SPEC, model_id=MODEL, token=token)
 
 
 def prompt(start: int, chunks: int) -> tuple[list[int], torch.Tensor]:
@@ -415,7 +416,7 @@ def assert_served(cache: LMTier, tokens: list[int], kv: torch.Tensor, chunks: in
 
 
 def test_a_client_scoped_to_one_salt_keeps_its_first_store(secured: SidecarProcess) -> None:
-    """The sidecar refuses the unsalted namespace that ``LMTier.connect`` opens first:
+    """The sidecar refuses the unsalted namespace that ``lmtier.connect`` opens first:
     that refusal is no outage, so the store right after it is kept (it was lost to an
     open breaker), and flush and stats go through the session the store opened."""
     tokens, kv = prompt(20_000, 3)
@@ -739,7 +740,7 @@ def test_lmtier_connect_over_tls_streams_bit_exact(
     config = LMTierConfig(chunk_size=16)
     tokens = list(range(5000, 5000 + 16 * 4 + 5))  # four full chunks and a tail
     kv = torch.randn(spec.shape(len(tokens)), generator=torch.Generator().manual_seed(7))
-    cache = LMTier.connect(
+    cache = lmtier.connect(
         remote.target,
         config,
         kv=spec,

@@ -23,7 +23,7 @@ from sidecar_helpers import (
     read_exactly,
 )
 
-from lmtier.remote.client import SidecarClient
+from lmtier.remote.client import SidecarStore
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
@@ -191,10 +191,11 @@ def test_the_client_carries_on_over_grpc_when_the_lane_is_gone(tmp_path: Path) -
     with SidecarProcess(tmp_path, settings) as sidecar:
         cache = connect(sidecar.target, stream=False)
         try:
-            assert isinstance(cache, SidecarClient)
+            store = cache.chunk_store
+            assert isinstance(store, SidecarStore)
             ids = prompt(11, 2000)
             assert cache.store(ids, kv_of(11, 2000)) == 7
-            session = cache._conn().session(cache.namespace())
+            session = store._conn().session(cache.namespace())
             assert session.lane is not None
             Path(session.lane.path).unlink()  # the lane's socket vanishes
             session.lane.close()

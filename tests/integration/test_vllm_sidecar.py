@@ -52,7 +52,7 @@ with warnings.catch_warnings():
 
     from lmtier.config import Secret
     from lmtier.errors import ConfigError
-    from lmtier.remote.client import SidecarClient
+    from lmtier.remote.client import SidecarStore
     from lmtier.testing.sidecar import SidecarProcess
     from lmtier_connector.vllm.common import (
         ConnectorSettings,
@@ -204,7 +204,7 @@ def test_halves_in_three_processes_share_one_sidecar(
         # A fresh scheduler (its own client, an empty vLLM prefix cache) finds them.
         side = SchedulerSide(make_vllm_config(model_dir, extra))
         try:
-            assert isinstance(side.connector.lmtier, SidecarClient)
+            assert isinstance(side.connector.lmtier.chunk_store, SidecarStore)
             request = side.add("b", [*PROMPT, 5, 6, 7])
             assert side.connector.get_num_new_matched_tokens(request, 0) == (192, False)
             out, meta = side.schedule()
@@ -337,10 +337,10 @@ def test_one_client_per_sidecar_target_in_a_process(model_dir: Path, tmp_path: P
     ]
     try:
         caches = [c.lmtier for c in made]
-        assert all(isinstance(c, SidecarClient) for c in caches)
+        assert all(isinstance(c.chunk_store, SidecarStore) for c in caches)
         assert caches[0] is caches[1]
         assert caches[2] is not caches[0]
-        assert [c._timeout_s for c in caches] == [10.0, 10.0, 2.5]  # type: ignore[attr-defined]
+        assert [c.chunk_store._timeout_s for c in caches] == [10.0, 10.0, 2.5]  # type: ignore[attr-defined]
         assert made[1]._work()._listening is False
         request = make_request("a", PROMPT, block_hasher())
         assert made[0].get_num_new_matched_tokens(request, 0) == (0, False)

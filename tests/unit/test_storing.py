@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmtier.storage.memory import HostPool, SlabHandle
-from lmtier.storing import Reserved
+from lmtier.store import Reserved
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ request is served from the CPU tier; run the demo again in a new process and the
 first requests are served from the disk tier.
 
 With ``--sidecar URL`` the cache is a client of that ``lmtier serve``
-(:meth:`lmtier.api.LMTier.connect`): its tiers, CPU tier included, outlive the demo
+(:func:`lmtier.connect`): its tiers, CPU tier included, outlive the demo
 process, so a second run is served from the sidecar's CPU tier. The device tier
 stays in the demo's process.
 

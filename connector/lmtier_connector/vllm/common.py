@@ -41,7 +41,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class SidecarSettings:
     """Where the connector's cache lives when it is a sidecar's client
-    (:meth:`lmtier.api.LMTier.connect`): its ``target``, the bearer ``token``,
+    (:func:`lmtier.connect`): its ``target``, the bearer ``token``,
     whether to map its shared host pool (``shared_memory``; else chunks stream), and
     each call's deadline (``timeout_s``: what a sidecar that stops answering costs
     the one call it hangs, a load inside a step included)."""

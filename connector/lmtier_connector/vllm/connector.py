@@ -20,7 +20,7 @@ Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
 block copies; ``LKTHD``: the HF adapter's layout), ``async_loads`` and
 ``lookup_wait_ms`` (loads and lookups off the scheduling step),
 ``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
-``lmtier serve`` through :meth:`lmtier.api.LMTier.connect` instead of opening tiers of
+``lmtier serve`` through :func:`lmtier.connect` instead of opening tiers of
 its own; ``sidecar_token`` or ``sidecar_token_file``, ``sidecar_shared_memory``,
 ``sidecar_timeout_s``).
 Over a sidecar the config's tier sections are the sidecar's business; what matters
@@ -53,6 +53,7 @@ from vllm.utils.torch_utils import get_kv_cache_torch_dtype
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 
+import lmtier
 from lmtier.api import LMTier
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import ConfigError
@@ -178,7 +179,7 @@ def _acquire_cache(key: _CacheKey, config: LMTierConfig) -> LMTier:
     executor, tests), both halves share one cache, CPU tier included; in separate
     processes each half opens its own and they meet in the shared tiers. With a
     sidecar (the key's last part) the cache is a client of it
-    (:meth:`lmtier.api.LMTier.connect`): every process meets in the sidecar's tiers,
+    (:func:`lmtier.connect`): every process meets in the sidecar's tiers,
     its CPU tier included.
     """
     with _caches_lock:
@@ -189,7 +190,7 @@ def _acquire_cache(key: _CacheKey, config: LMTierConfig) -> LMTier:
         _, spec, model_id, revision, tp_size, tp_rank, sidecar = key
         if sidecar is not None:
             # A sidecar that is down is not an error here: calls miss until it is up.
-            cache = LMTier.connect(
+            cache = lmtier.connect(
                 sidecar.target,
                 config,
                 kv=spec,

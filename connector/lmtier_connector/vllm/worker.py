@@ -23,7 +23,7 @@
   ``BlockRemoved(medium="CPU")`` with the same block hashes, always after its
   ``BlockStored``. It may still be in a lower tier (disk, Redis, S3): no removal is
   announced for those. The hashes are kept per announced chunk, at most as many as
-  the CPU tier holds. Over a sidecar (:meth:`lmtier.api.LMTier.connect`) the CPU tier
+  the CPU tier holds. Over a sidecar (:func:`lmtier.connect`) the CPU tier
   is the sidecar's, in another process, and its evictions cannot be followed from
   here: the client's ``host_memory().cache_capacity_chunks`` is 0, so no listener is
   added and chunks get their ``BlockStored`` only, never a ``BlockRemoved``.

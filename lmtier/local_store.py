@@ -1,0 +1,266 @@
+""":class:`LocalStore`: chunks in this process, host memory and the configured tiers
+under one :class:`~lmtier.storage.manager.StorageManager`.
+
+It is the one sequence that opens a node's storage: the host pool and its CPU tier
+(``cpu.capacity_bytes`` plus ``cpu.staging_bytes``, in whole slabs, allocated once),
+the tiers below it, the manager and its background writers. Two users:
+
+* the embedded facade (``LMTier.open``): :meth:`LocalStore.start` opens it on a
+  :class:`~lmtier.runtime.Runtime` of its own (one event loop thread), and the
+  :class:`~lmtier.store.ChunkStore` methods run each call there, or in the
+  caller's thread where no I/O is needed (in-memory indexes, a store's hand-over);
+* ``lmtier serve``: ``await store.open(...)`` on the server's own loop (its pool in
+  shared memory, a check of many namespaces); its handlers then call the manager's
+  coroutines on that loop (:attr:`manager`), and never the synchronous methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import torch
+
+from lmtier.chunks.integrity import ChunkMac, load_key
+from lmtier.chunks.keys import ChunkKey, Namespace
+from lmtier.config import LMTierConfig
+from lmtier.errors import CacheClosedError
+from lmtier.results import HostMemory
+from lmtier.runtime import Runtime
+from lmtier.storage.check import ChunkCheck
+from lmtier.storage.cpu_tier import CPUTier, open_memory_tier
+from lmtier.storage.lookup import LoadedChunk, Lookup
+from lmtier.storage.manager import EvictListener, StorageManager
+from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.node import LocalNode
+from lmtier.storage.plugins import open_tiers
+from lmtier.storage.sealing import Sealer
+from lmtier.store import Encoded, Reserved, StoreLayout
+
+__all__ = ["HostView", "LocalStore"]
+
+logger = logging.getLogger(__name__)
+CheckT = TypeVar("CheckT", bound=ChunkCheck)
+
+STORE_BATCH = 64
+"""Chunks a store frames per hand-over (each hand-over is one pass under the
+manager's lock; a lookup of the local tiers comes first)."""
+
+
+class HostView(NamedTuple):
+    """What serving this node's CPU tier to other nodes needs (the peer listener):
+    the tier, the manager's lock its index is kept under, and the sealer that
+    finishes a chunk's checksum before it may leave the node."""
+
+    memory: CPUTier
+    lock: threading.RLock
+    sealer: Sealer
+
+
+class LocalStore:
+    """Chunks in this process (module docstring)."""
+
+    store_batch = STORE_BATCH
+    holds_writes = True
+
+    def __init__(self, config: LMTierConfig) -> None:
+        self.config = config
+        self._runtime: Runtime | None = None
+        self._manager: StorageManager | None = None
+
+    # ---- opening -------------------------------------------------------------------
+
+    def start(self, layout: StoreLayout) -> None:
+        """Open on a runtime of this store's own, for the facade's calls."""
+        slab_bytes = layout.kv_spec.encoded_chunk_bytes(layout.chunk_size)
+        geometry = layout.kv_spec.geometry(layout.chunk_size)
+        runtime = Runtime().start()
+        try:
+            runtime.run(self.open(slab_bytes, lambda mac: ChunkCheck(geometry, mac)))
+        except BaseException:
+            runtime.stop()
+            raise
+        self._runtime = runtime
+
+    async def open(
+        self,
+        slab_bytes: int,
+        check: Callable[[ChunkMac | None], CheckT],
+        region: Callable[[int], torch.Tensor] | None = None,
+    ) -> CheckT:
+        """Open the pool, the tiers and the manager on the running loop: ``check``
+        makes the chunk check from the configured integrity key (returned: a sidecar
+        registers its sessions' namespaces with it); ``region`` allocates the pool's
+        memory (:func:`~lmtier.storage.memory.open_host_pool`)."""
+        config = self.config
+        chunk_check = check(load_key(config.integrity.key, config.integrity.key_file))
+        memory = open_memory_tier(config, slab_bytes, region)
+        try:
+            tiers = await open_tiers(config)
+            manager = StorageManager(memory, tiers, check=chunk_check)
+            await manager.start()
+        except BaseException:
+            memory.pool.close()
+            raise
+        self._manager = manager
+        return chunk_check
+
+    @property
+    def manager(self) -> StorageManager:
+        """The manager, for code on the loop it was opened on (the sidecar's handlers)."""
+        manager = self._manager
+        if manager is None:
+            raise CacheClosedError("this store is not open")
+        return manager
+
+    @property
+    def pool(self) -> HostPool:
+        """The host pool every slab of this store is in."""
+        return self.manager.memory.pool
+
+    def host_view(self) -> HostView:
+        """The CPU tier as the peer listener serves it (:class:`HostView`)."""
+        manager = self.manager
+        return HostView(manager.memory, manager.lock, manager.writes.sealer)
+
+    async def attach_node(self, node: LocalNode) -> None:
+        """Tell every tier the address this node serves its CPU tier on (the peer
+        tier publishes it)."""
+        for tier in self.manager.tiers:
+            await tier.attach_node(node)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Per tier below host memory: writes queued for it now (where it can tell)."""
+        manager, out = self.manager, {}
+        for tier in manager.tiers:
+            depth = manager.writes.depth(tier)
+            if depth is None:  # a tier without writes may still have work waiting (peer)
+                depth = tier.usage().get("pending")
+            if depth is not None:
+                out[tier.name] = int(depth)
+        return out
+
+    # ---- closing -------------------------------------------------------------------
+
+    async def shut(self, flush_s: float | None) -> None:
+        """Flush queued writes (up to ``flush_s``; None: the config's
+        ``close_flush_s``) and close the tiers, on the loop the store was opened on;
+        the pool stays mapped until :meth:`release`."""
+        manager = self._manager
+        if manager is not None:
+            await manager.close(self.config.close_flush_s if flush_s is None else flush_s)
+
+    def release(self) -> None:
+        """Free the host pool (after :meth:`shut`); the store cannot be used again."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.memory.pool.close()
+
+    def close(self, timeout_s: float | None) -> None:
+        runtime = self._runtime
+        if runtime is None:
+            return
+        timed_out = False
+        try:
+            runtime.run(self.shut(None), timeout_s)
+        except TimeoutError:
+            if timeout_s is None:
+                raise
+            # At exit: the loop's thread is a daemon, it ends with the process.
+            timed_out = True
+            logger.warning("exit: closing the cache took over %g s; not waiting more", timeout_s)
+        finally:
+            if not timed_out:
+                runtime.stop()
+                self._runtime = None
+                self.release()
+
+    # ---- the ChunkStore calls ------------------------------------------------------
+
+    def _run(self) -> tuple[StorageManager, Runtime]:
+        manager, runtime = self._manager, self._runtime
+        if manager is None or runtime is None:
+            raise CacheClosedError("this store is not open")
+        return manager, runtime
+
+    def check(self, namespace: Namespace) -> None:
+        """Nothing to check: this process holds the chunks itself."""
+
+    def lookup(self, keys: Sequence[ChunkKey], *, local_only: bool) -> Lookup:
+        manager, runtime = self._run()
+        if local_only:
+            return manager.lookup_local(keys)
+        # In-memory indexes answer in this thread; only tiers that need I/O cost a
+        # hop to the runtime's loop (~60 us here: more than the lookup itself).
+        found = manager.lookup_now(keys)
+        return found if found is not None else runtime.run(manager.lookup(keys))
+
+    def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
+        return self._run()[0].lookup_now(keys)
+
+    def load(self, keys: Sequence[ChunkKey], lookup: Lookup | None) -> list[LoadedChunk]:
+        manager, runtime = self._run()
+        return runtime.run(manager.get(keys, lookup))
+
+    def reserve(
+        self, keys: Sequence[ChunkKey], skip: int | None, count: int
+    ) -> tuple[int, Reserved]:
+        """What the local tiers hold (``skip`` when given); no slabs reserved: a store
+        takes them batch by batch (:meth:`acquire_slabs`), never waiting on I/O."""
+        present = skip if skip is not None else self._run()[0].lookup_local(keys).num_chunks
+        return present, Reserved()
+
+    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+        return self._run()[0].acquire_slabs(count, True) if count > 0 else []
+
+    def hand_over(self, encoded: Encoded) -> Callable[[], int]:
+        """The CPU tier adopts the slabs now, lower tiers in the background."""
+        stored = self._run()[0].put_many(encoded) if encoded else 0
+        return lambda: stored
+
+    def host_memory(self) -> HostMemory:
+        manager = self._run()[0]
+        pool = manager.memory.pool
+        return HostMemory(
+            total_bytes=pool.nbytes,
+            slab_bytes=pool.slab_bytes,
+            slabs=pool.num_slabs,
+            slabs_in_use=pool.num_in_use,
+            cached_chunks=len(manager.memory),
+            cache_capacity_chunks=manager.memory.max_chunks,
+        )
+
+    def in_memory(self, key: ChunkKey) -> bool:
+        return key in self._run()[0].memory
+
+    def add_evict_listener(self, callback: EvictListener) -> None:
+        self._run()[0].add_evict_listener(callback)
+
+    def remove_evict_listener(self, callback: EvictListener) -> None:
+        manager = self._manager
+        if manager is not None:
+            manager.remove_evict_listener(callback)
+
+    def flush(self) -> None:
+        manager, runtime = self._run()
+        runtime.run(manager.flush())
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        manager, runtime = self._run()
+        return runtime.call(manager.stats)
+
+    def purge(self, namespace: Namespace, *, dry_run: bool) -> dict[str, int]:
+        manager, runtime = self._run()
+        if dry_run:
+            return runtime.run(manager.count_namespace(namespace.digest))
+        return runtime.run(manager.purge(namespace.digest))
+
+    def pin(self, keys: Sequence[ChunkKey]) -> dict[str, int]:
+        manager, runtime = self._run()
+        return runtime.run(manager.pin(keys))
+
+    def unpin(self, keys: Sequence[ChunkKey] | None) -> dict[str, int]:
+        manager, runtime = self._run()
+        return runtime.run(manager.unpin(keys))
