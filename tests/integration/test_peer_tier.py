@@ -21,6 +21,7 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.config.secrets import Secret
 from lmtier.errors import BackendError, ConfigError
+from lmtier.local_store import HostView
 from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
@@ -62,7 +63,7 @@ class Node:
         config = LMTierConfig(peer=peer, sidecar={"auth_token": SIDECAR_TOKEN})
         auth = Authenticator.from_config(config.sidecar)
         self.server = PeerServer(
-            config, auth, SidecarMetrics(), self.memory, self.lock, sealer=self.sealer
+            config, auth, SidecarMetrics(), HostView(self.memory, self.lock, self.sealer)
         )
         node = await self.server.start()
         self.tier = PeerTier(
@@ -374,7 +375,7 @@ def _server(peer: dict[str, object], sidecar: dict[str, object] | None = None) -
 
         async def start() -> None:
             server = PeerServer(
-                config, auth, SidecarMetrics(), memory, threading.RLock(), sealer=Sealer()
+                config, auth, SidecarMetrics(), HostView(memory, threading.RLock(), Sealer())
             )
             try:
                 await server.start()
