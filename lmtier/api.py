@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmtier import exiting
 from lmtier.arguments import checked_keys, require_int
@@ -47,14 +47,15 @@ from lmtier.chunks.tokens import TokenInput
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import CacheClosedError, ConfigError, InvalidRequestError
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
-from lmtier.local_store import LocalStore
 from lmtier.namespaces import Namespaces
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.storage.lookup import Lookup
-from lmtier.storage.manager import EvictListener
 from lmtier.storage.memory import SlabHandle
 from lmtier.store import ChunkStore, StoreLayout
 from lmtier.storing import store_chunks
+
+if TYPE_CHECKING:
+    from lmtier.storage.manager import EvictListener
 
 __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
 
@@ -124,7 +125,13 @@ class LMTier:
             base=base,
             namespace_of=self._namespaces.of_digest,
         )
-        self._store: ChunkStore = store if store is not None else LocalStore(config)
+        if store is None:
+            # Here, not at the top: an engine that only connects to a sidecar never
+            # loads the storage manager, its tiers and their plugins.
+            from lmtier.local_store import LocalStore  # noqa: PLC0415
+
+            store = LocalStore(config)
+        self._store: ChunkStore = store
         self._started = self._closed = False
         self._lock = threading.Lock()
 

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -54,10 +54,12 @@ from lmtier.results import HostMemory
 from lmtier.sidecar.listen import default_listen, parse_listen
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
-from lmtier.storage.manager import EvictListener
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.store import Encoded, Reserved, StoreLayout
 from lmtier.v1 import sidecar_pb2 as pb
+
+if TYPE_CHECKING:
+    from lmtier.storage.manager import EvictListener
 
 __all__ = ["SidecarStore", "connect", "sidecar_target"]
 
