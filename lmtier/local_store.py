@@ -37,6 +37,7 @@ from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storage.node import LocalNode
 from lmtier.storage.plugins import open_tiers
 from lmtier.storage.sealing import Sealer
+from lmtier.storage.stats import TierStats
 from lmtier.store import Encoded, Reserved, StoreLayout
 
 __all__ = ["HostView", "LocalStore"]
@@ -130,6 +131,11 @@ class LocalStore:
         tier publishes it)."""
         for tier in self.manager.tiers:
             await tier.attach_node(node)
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each tier's counters, host memory's first (a snapshot any thread may take)."""
+        manager = self.manager
+        return {tier.name: tier.stats for tier in (manager.memory, *manager.tiers)}
 
     def queue_depths(self) -> dict[str, int]:
         """Per tier below host memory: writes queued for it now (where it can tell)."""

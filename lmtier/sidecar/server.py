@@ -132,7 +132,7 @@ class Sidecar:
             await self._abandon_start()
             raise
         self.metrics.set_sources(
-            tiers=lambda: {t.name: t.stats for t in (store.manager.memory, *store.manager.tiers)},
+            tiers=store.tier_stats,
             extra=lambda: {
                 name: {"queue_depth": float(depth)} for name, depth in store.queue_depths().items()
             },
