@@ -49,13 +49,13 @@ from lmtier.remote.slabs import (
 )
 from lmtier.remote.streaming import StoreStreams, in_messages, receive_chunks
 from lmtier.results import HostMemory, LoadResult
-from lmtier.sidecar.listen import default_listen, parse_listen
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 from lmtier.storage.manager import EvictListener
 from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storing import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.address import default_listen, parse_listen
 
 __all__ = ["SidecarClient", "sidecar_target"]
 
