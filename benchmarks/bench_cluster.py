@@ -71,8 +71,9 @@ from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
+from lmtier.wire.keepalive import DEFAULT_KEEPALIVE_S, keepalive_options
 from lmtier.wire.peer_auth import NodeKey
-from lmtier_backends.peer.fetch import KEEPALIVE_MS, MAX_MESSAGE_BYTES
+from lmtier_backends.peer.fetch import MAX_MESSAGE_BYTES
 from lmtier_backends.peer.tier import PeerTier
 from lmtier_backends.redis.tier import RedisTier
 
@@ -84,8 +85,7 @@ SLAB = 2 * 1024**2 + 64 * 1024  # a chunk's buffer: its payload and header, with
 RAW_SERVICE = "bench.Raw"
 CLIENT_OPTIONS = [  # the peer tier's channel options (lmtier_backends.peer.fetch)
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+    *keepalive_options(DEFAULT_KEEPALIVE_S),
     ("grpc.enable_http_proxy", 0),
 ]
 LOOKUP_CHUNKS = 32

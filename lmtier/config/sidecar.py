@@ -4,9 +4,9 @@ its shared host memory. The tiers it serves are the rest of the same config."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from lmtier.config.section import Section
 from lmtier.config.types import (
@@ -18,9 +18,14 @@ from lmtier.config.types import (
     Share,
     Size,
     Text,
+    Timeout,
 )
 
 __all__ = ["DEFAULT_SLAB_BYTES", "SidecarConfig"]
+
+Interval = Annotated[Timeout, Field(ge=0.05)]
+"""Seconds of a connection timer (keepalive, handshake): 0.05 (grpc's timers run in
+milliseconds; tests shorten them) to ``MAX_TIMEOUT_S``."""
 
 DEFAULT_SLAB_BYTES = 2 * 1024**2 + 4096
 """A 2 MiB payload (256 tokens of a 8 KiB/token model) and its header."""
@@ -83,6 +88,15 @@ class SidecarConfig(Section):
     """Seconds a streaming call may stop moving chunk bytes (a ``StoreStream`` between
     two pieces of a chunk, a ``LoadStream`` whose reader stops reading) before the
     slabs it holds are reclaimed: the chunk is dropped, the load ends there."""
+    keepalive_s: Interval = 10.0
+    """Seconds between HTTP/2 keepalive pings on an idle connection, and how long a
+    ping may go unanswered: a client or peer gone without a FIN (a machine lost, a
+    process frozen) is noticed within about two, and its sessions and leases end.
+    The sidecar, its clients and the peer tier's channels all read it."""
+    handshake_timeout_s: Interval = 10.0
+    """Seconds a new connection to a gRPC listener (the sidecar's, the peer's) has to
+    finish its TLS and HTTP/2 handshakes before it is closed: grpc's default, 120 s,
+    let idle connections that need no token hold the sidecar's descriptors."""
     max_message_bytes: Size = 8 * 1024**2
     """The largest gRPC message accepted (bigger ones: RESOURCE_EXHAUSTED)."""
     stream_piece_bytes: Size = 4 * 1024**2

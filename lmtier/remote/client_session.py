@@ -13,10 +13,10 @@ from typing import Any
 
 import grpc
 
-from lmtier.sidecar.lane import LaneClient
 from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
-from lmtier.wire.outcomes import SidecarUnavailable
+from lmtier.wire.lane import LaneClient
+from lmtier.wire.status import SidecarUnavailable
 
 __all__ = ["ClientSession", "first_event"]
 

@@ -43,12 +43,14 @@ from lmtier.errors import (
 from lmtier.remote.client_session import ClientSession, first_event
 from lmtier.remote.mappings import PoolMappings
 from lmtier.remote.probe import serving_problem
-from lmtier.sidecar.lane import LaneClient, LaneError
-from lmtier.sidecar.namespaces import to_wire
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
-from lmtier.wire.outcomes import SidecarRefused, SidecarUnavailable, outcome
+from lmtier.wire.credentials import token_metadata
+from lmtier.wire.keepalive import DEFAULT_KEEPALIVE_S, keepalive_options
+from lmtier.wire.lane import LaneClient, LaneError
+from lmtier.wire.namespaces import to_wire
+from lmtier.wire.status import SidecarRefused, SidecarUnavailable, outcome
 
 __all__ = [
     "ClientSession",
@@ -81,6 +83,7 @@ class Connection:
         shared_memory: bool = True,
         timeout_s: float = 10.0,
         client_name: str = "",
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
@@ -89,8 +92,7 @@ class Connection:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
+            *keepalive_options(keepalive_s),  # sidecar.keepalive_s, as the server's
         ]
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -109,9 +111,7 @@ class Connection:
             request_serializer=None,
             response_deserializer=pb.StoreReply.FromString,
         )
-        self.metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token.reveal()}"),) if token is not None else ()
-        )
+        self.metadata = token_metadata(token)
         self._lock = threading.Lock()
         self._sessions: dict[bytes, ClientSession] = {}
         self.pools = PoolMappings()
@@ -152,7 +152,7 @@ class Connection:
             return 0
 
     def failed(self, exc: grpc.RpcError, *, quiet: bool = False) -> Exception:
-        """What a failed call means here (:mod:`.outcomes`): the exception to raise (a
+        """What a failed call means here (:mod:`lmtier.wire.status`): the exception to raise (a
         SidecarUnavailable is a miss); marks the connection down when the sidecar did
         not answer. ``quiet``: log nothing (the caller reports the error itself)."""
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

@@ -1,4 +1,5 @@
-"""Who may call the sidecar: bearer tokens, their scopes, and TLS credentials.
+"""Who may call the sidecar: bearer tokens, their scopes, and the listeners' TLS
+credentials (a client's are :mod:`lmtier.wire.credentials`).
 
 Tokens come from the ``sidecar`` config section (``auth_token``, ``auth_token_file``,
 ``tokens_file``) and live only inside :class:`~lmtier.config.secrets.Secret` wrappers
@@ -28,12 +29,12 @@ import yaml
 from lmtier.config.secrets import Secret, read_secret_file, read_secret_text, warn_if_shared
 from lmtier.config.sidecar import SidecarConfig
 from lmtier.errors import AuthenticationError, ConfigError, brief
+from lmtier.wire.credentials import read_pem
 
 __all__ = [
     "ANONYMOUS",
     "Authenticator",
     "Principal",
-    "channel_credentials",
     "server_credentials",
     "tls_server_credentials",
 ]
@@ -255,16 +256,6 @@ def _scope(item: dict[Any, Any], key: str, where: str) -> frozenset[str] | None:
     return frozenset(values)
 
 
-def _read_pem(path: Path, what: str) -> bytes:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot read {path}: {exc.strerror}", key=what) from None
-    if b"-----BEGIN " not in data:
-        raise ConfigError(f"{what}: {path} is not a PEM file", key=what)
-    return data
-
-
 def server_credentials(sidecar: SidecarConfig) -> grpc.ServerCredentials | None:
     """TLS credentials for the sidecar's port, or None when TLS is off.
 
@@ -284,32 +275,13 @@ def tls_server_credentials(
     """A listener's TLS credentials: its certificate and key, and with
     ``client_ca_file`` a certificate that CA signed required of every caller. Errors
     name ``<section>.tls_*``."""
-    cert = _read_pem(cert_file, f"{section}.tls_cert_file")
+    cert = read_pem(cert_file, f"{section}.tls_cert_file")
     warn_if_shared(key_file, f"{section}.tls_key_file")
-    key = _read_pem(key_file, f"{section}.tls_key_file")
+    key = read_pem(key_file, f"{section}.tls_key_file")
     client_ca = None
     if client_ca_file is not None:
         what = "tls_client_ca_file" if section == "sidecar" else "tls_ca_file"
-        client_ca = _read_pem(client_ca_file, f"{section}.{what}")
+        client_ca = read_pem(client_ca_file, f"{section}.{what}")
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
-def channel_credentials(
-    ca_file: Path | None = None, cert_file: Path | None = None, key_file: Path | None = None
-) -> grpc.ChannelCredentials:
-    """TLS credentials for a client of the sidecar.
-
-    ``ca_file``: the CA bundle that signed the server's certificate (None: the
-    system's roots). ``cert_file`` + ``key_file``: the client's own certificate, for a
-    sidecar that requires one (``tls_client_ca_file``).
-    """
-    if (cert_file is None) != (key_file is None):
-        raise ConfigError("a client certificate needs both cert_file and key_file")
-    ca = _read_pem(ca_file, "ca_file") if ca_file is not None else None
-    cert = _read_pem(cert_file, "cert_file") if cert_file is not None else None
-    key = _read_pem(key_file, "key_file") if key_file is not None else None
-    return grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert
     )

@@ -16,7 +16,8 @@ import grpc
 
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.metrics import SidecarMetrics
-from lmtier.sidecar.status import parsed, status_of
+from lmtier.sidecar.status import parsed
+from lmtier.wire.status import status_of
 
 __all__ = ["Handler", "InFlight", "Served", "answer", "session_stream", "streaming", "unary"]
 

@@ -31,9 +31,9 @@ from prometheus_client.metrics_core import (
 )
 
 from lmtier.errors import ConfigError
-from lmtier.sidecar.listen import parse_listen
 from lmtier.sidecar.scrape import MetricsServer, serve_metrics
 from lmtier.storage.stats import LatencyHistogram, TierStats
+from lmtier.wire.address import parse_listen
 
 __all__ = ["MetricsServer", "SidecarMetrics", "TierSource", "ExtraSource", "GaugeSource"]
 

@@ -153,24 +153,6 @@ def check_written(space: SessionSpace, key: ChunkKey, data: memoryview, index: i
         raise InvalidRequestError(f"chunk {index}: not of its namespace's KV geometry")
 
 
-def to_wire(namespace: Namespace) -> pb.Namespace:
-    """The wire form of ``namespace`` (what a client sends to open a session)."""
-    return pb.Namespace(
-        model_id=namespace.model_id,
-        model_revision=namespace.model_revision,
-        kv_dtype=namespace.kv_dtype,
-        kv_layout=namespace.kv_layout,
-        num_layers=namespace.num_layers,
-        num_kv_heads=namespace.num_kv_heads,
-        head_dim=namespace.head_dim,
-        chunk_size=namespace.chunk_size,
-        tp_size=namespace.tp_size,
-        tp_rank=namespace.tp_rank,
-        cache_salt=namespace.cache_salt,
-        kv_block_size=namespace.kv_block_size,
-    )
-
-
 def parse_keys(data: bytes, digest: bytes) -> list[ChunkKey]:
     """Concatenated 32-byte keys, each of the namespace ``digest``.
 

@@ -37,22 +37,27 @@ from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError, InvalidRequestError
 from lmtier.local_store import HostView
 from lmtier.sidecar.auth import Authenticator, tls_server_credentials
-from lmtier.sidecar.listen import HANDSHAKE_TIMEOUT_MS, parse_listen
 from lmtier.sidecar.metrics import SidecarMetrics
-from lmtier.sidecar.status import lenient, parsed, status_of
+from lmtier.sidecar.status import lenient, parsed
 from lmtier.storage.node import LocalNode
 from lmtier.storage.plugins import peer_section
 from lmtier.v1 import sidecar_pb2 as pb
-from lmtier.wire.peer_auth import ProofChecker, node_key
+from lmtier.wire.address import parse_listen
+from lmtier.wire.keepalive import millis
+from lmtier.wire.peer_auth import (
+    CONTAINS_METHOD,
+    FETCH_METHOD,
+    PEER_SERVICE,
+    ProofChecker,
+    node_key,
+)
 from lmtier.wire.pieces import chunk_pieces
+from lmtier.wire.status import status_of
 
-__all__ = ["CONTAINS_METHOD", "FETCH_METHOD", "MAX_FETCH_KEYS", "PEER_SERVICE", "PeerServer"]
+__all__ = ["MAX_FETCH_KEYS", "PeerServer"]
 
 logger = logging.getLogger(__name__)
 
-PEER_SERVICE = "lmtier.v1.Peer"
-FETCH_METHOD = f"/{PEER_SERVICE}/Fetch"
-CONTAINS_METHOD = f"/{PEER_SERVICE}/Contains"
 MAX_FETCH_KEYS = 4096
 _WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104 - names of "every interface", not a bind
 
@@ -94,7 +99,7 @@ class PeerServer:
             options=[
                 ("grpc.max_send_message_length", side.max_message_bytes),
                 ("grpc.max_receive_message_length", 1024**2),
-                ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+                ("grpc.server_handshake_timeout_ms", millis(side.handshake_timeout_s)),
             ]
         )
         methods = {

@@ -31,16 +31,8 @@ from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError
 from lmtier.local_store import LocalStore
 from lmtier.sidecar.auth import Authenticator, server_credentials
-from lmtier.sidecar.lane import LaneServer, lane_path
-from lmtier.sidecar.listen import (
-    HANDSHAKE_TIMEOUT_MS,
-    ListenAddress,
-    check_policy,
-    default_listen,
-    parse_listen,
-    prepare_unix_socket,
-    secure_unix_socket,
-)
+from lmtier.sidecar.lane import LaneServer
+from lmtier.sidecar.listen import check_policy, prepare_unix_socket, secure_unix_socket
 from lmtier.sidecar.metrics import MetricsServer, SidecarMetrics
 from lmtier.sidecar.namespaces import NamespaceCheck
 from lmtier.sidecar.peer import PeerServer
@@ -49,6 +41,9 @@ from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.status import lenient
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.address import ListenAddress, default_listen, parse_listen
+from lmtier.wire.keepalive import keepalive_options, millis
+from lmtier.wire.lane import lane_path
 from lmtier.wire.shm import SharedRegion
 
 __all__ = ["SERVICE_NAME", "Sidecar"]
@@ -56,9 +51,6 @@ __all__ = ["SERVICE_NAME", "Sidecar"]
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "lmtier.v1.Sidecar"
-KEEPALIVE_MS = 10_000
-"""HTTP/2 pings on idle connections: a peer gone without a FIN (a machine lost, a
-cable cut) is noticed within ~2 keepalives, and its sessions and leases end."""
 
 
 class Sidecar:
@@ -195,16 +187,16 @@ class Sidecar:
         options = [
             ("grpc.max_receive_message_length", side.max_message_bytes),
             ("grpc.max_send_message_length", side.max_message_bytes),
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            # sidecar.keepalive_s: a peer gone without a FIN is noticed within ~2
+            *keepalive_options(side.keepalive_s),
             # A keepalive that finds one of grpc's flow-control pings in flight (a
             # client uploading: StoreStream) waits for that ping's answer, whose
             # timeout defaults to 60 s: a client frozen mid-upload kept its session
             # and connection that long.
-            ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),
-            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+            ("grpc.http2.ping_timeout_ms", millis(side.keepalive_s)),
+            ("grpc.http2.min_ping_interval_without_data_ms", millis(side.keepalive_s / 2)),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+            ("grpc.server_handshake_timeout_ms", millis(side.handshake_timeout_s)),
         ]
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((method_handlers(service),))

@@ -38,7 +38,7 @@ from lmtier.sidecar.namespaces import (
     parse_keys,
 )
 from lmtier.sidecar.sessions import Session, Sessions
-from lmtier.sidecar.status import Draining, NotOffered, numeric_leaves
+from lmtier.sidecar.status import numeric_leaves
 from lmtier.sidecar.transfers import clipped, receive_chunks, send_chunks
 from lmtier.storage.lookup import LoadedChunk, TierSpan
 from lmtier.storage.lookup import Lookup as Found
@@ -47,6 +47,7 @@ from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 from lmtier.wire.shm import SharedRegion
+from lmtier.wire.status import Draining, NotOffered
 
 __all__ = ["SidecarService"]
 

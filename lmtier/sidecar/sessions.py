@@ -24,21 +24,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from lmtier.errors import CapacityError, LMTierError, brief
+from lmtier.errors import CapacityError, brief
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.namespaces import SessionSpace
 from lmtier.sidecar.shares import Shares
 from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.wire.status import SessionNotFound
 
 __all__ = ["Lease", "Session", "SessionNotFound", "Sessions"]
 
 logger = logging.getLogger(__name__)
 
 SESSION_ID_BYTES = 16
-
-
-class SessionNotFound(LMTierError, LookupError):
-    """A call named a session that does not exist (never opened, closed, or expired)."""
 
 
 @dataclass(slots=True)

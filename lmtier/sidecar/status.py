@@ -1,81 +1,19 @@
-"""What an lmtier error is on the wire: one gRPC status code per kind of failure,
-with lmtier's message and never a stack trace."""
+"""The server's side of a request that does not parse: grpc hands a handler an
+:class:`Unparsed` in its place, and the handler answers INVALID_ARGUMENT. Which code
+each lmtier error is answered with is the wire's one table (:mod:`lmtier.wire.status`)."""
 
 from __future__ import annotations
 
-import logging
-import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import grpc
 from google.protobuf.message import DecodeError
 
-from lmtier.errors import (
-    AuthenticationError,
-    CacheClosedError,
-    CapacityError,
-    ConfigError,
-    InvalidRequestError,
-    LMTierError,
-)
-from lmtier.sidecar.sessions import SessionNotFound
+from lmtier.errors import InvalidRequestError
 
-__all__ = [
-    "MAX_DETAILS",
-    "Draining",
-    "NotOffered",
-    "Unparsed",
-    "lenient",
-    "numeric_leaves",
-    "parsed",
-    "status_of",
-]
+__all__ = ["Unparsed", "lenient", "numeric_leaves", "parsed"]
 
-logger = logging.getLogger(__name__)
 R = TypeVar("R")
-
-
-class Draining(LMTierError):
-    """The sidecar is shutting down and takes no new work."""
-
-
-class NotOffered(LMTierError):
-    """The call needs something this session was not given (shared memory)."""
-
-
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Draining, grpc.StatusCode.UNAVAILABLE),
-    (CacheClosedError, grpc.StatusCode.UNAVAILABLE),
-    (NotOffered, grpc.StatusCode.FAILED_PRECONDITION),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (DecodeError, grpc.StatusCode.INVALID_ARGUMENT),  # a client stream's unparsable message
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-)
-
-
-MAX_DETAILS = 1024
-"""Characters of a status message at most: it travels as a header, which grpc caps
-(16 KiB), and a message that quotes a long hostile string must not turn the caller's
-error into another one (RESOURCE_EXHAUSTED from grpc's header limit)."""
-
-
-def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a failed call answers with. An unexpected exception
-    is INTERNAL: logged here with its traceback under an id the message names."""
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            text = str(exc) or kind.__name__
-            if len(text) > MAX_DETAILS:
-                text = text[: MAX_DETAILS - 20] + f"... ({len(text)} characters)"
-            return code, text
-    incident = secrets.token_hex(4)
-    logger.error("%s failed (incident %s)", method, incident, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error in the sidecar (incident {incident})"
 
 
 class Unparsed:

@@ -48,7 +48,10 @@ from lmtier.errors import AuthenticationError, ConfigError
 
 __all__ = [
     "ANSWER_HEADER",
+    "CONTAINS_METHOD",
+    "FETCH_METHOD",
     "MAX_REMEMBERED",
+    "PEER_SERVICE",
     "PROOF_HEADER",
     "NodeKey",
     "ProofChecker",
@@ -56,6 +59,10 @@ __all__ = [
     "node_key",
 ]
 
+PEER_SERVICE = "lmtier.v1.Peer"
+"""The peer listener's gRPC service; its methods' full names are what proofs cover."""
+FETCH_METHOD = f"/{PEER_SERVICE}/Fetch"
+CONTAINS_METHOD = f"/{PEER_SERVICE}/Contains"
 PROOF_HEADER = "x-lmtier-peer-proof"
 ANSWER_HEADER = "x-lmtier-peer-answer"
 MAX_REMEMBERED = 262_144

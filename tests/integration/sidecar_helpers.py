@@ -73,7 +73,7 @@ instead of hanging it."""
 POLL_TIMEOUT_S = 120.0
 """How long a condition is polled for: a hang guard, never reached when all is well."""
 LANE_HEADER = struct.Struct("<IB")
-"""A lane frame's header: ``<u32 length><u8 method or status>`` (lmtier.sidecar.lane)."""
+"""A lane frame's header: ``<u32 length><u8 method or status>`` (lmtier.wire.lane)."""
 
 NAMESPACE = pb.Namespace(
     model_id="hostile/model",

@@ -26,10 +26,10 @@ import pytest
 from doc_snippets import MAX_FRAGMENTS, NEEDS, ROOT, Block, blocks_of, pages
 from sidecar_helpers import CALL_TIMEOUT_S, open_session
 
-from lmtier.sidecar.listen import default_listen
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.wire.address import default_listen
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,9 @@ from test_peer_tier import TOKEN, Node, _buffers, _run
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config.peer import AddressPolicy
-from lmtier.sidecar.peer import CONTAINS_METHOD, FETCH_METHOD, PEER_SERVICE
 from lmtier.testing import make_chunk
 from lmtier.v1 import sidecar_pb2 as pb
-from lmtier.wire.peer_auth import PROOF_HEADER
+from lmtier.wire.peer_auth import CONTAINS_METHOD, FETCH_METHOD, PEER_SERVICE, PROOF_HEADER
 from lmtier.wire.pieces import chunk_pieces
 from lmtier_backends.peer.directory import PeerDirectory
 

@@ -55,10 +55,10 @@ import lmtier
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.errors import AuthenticationError, PermissionDeniedError
 from lmtier.ops.stats import schema_problems
-from lmtier.sidecar.auth import channel_credentials
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.wire.credentials import channel_credentials
 
 pytestmark = pytest.mark.integration
 

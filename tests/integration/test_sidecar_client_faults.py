@@ -46,10 +46,10 @@ from sidecar_helpers import gauges as sidecar_gauges
 
 from lmtier import LMTier, load_config
 from lmtier.remote.connection import serving_problem
-from lmtier.sidecar.lane import LaneClient, LaneError, lane_path
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.wire.lane import LaneClient, LaneError, lane_path
 
 pytestmark = pytest.mark.integration
 

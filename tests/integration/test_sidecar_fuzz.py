@@ -35,10 +35,10 @@ from sidecar_helpers import (
 )
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.sidecar.lane import LaneClient
 from lmtier.testing.sidecar import SidecarProcess
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
+from lmtier.wire.lane import LaneClient
 from lmtier.wire.shm import SharedRegion
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,5 +1,5 @@
-"""The sidecar's local lane (lmtier.sidecar.lane): the data-path calls on a plain unix
-socket. Raw frames against a real sidecar process: what a well-behaved client gets,
+"""The sidecar's local lane (lmtier.wire.lane, lmtier.sidecar.lane): the data-path calls
+on a plain unix socket. Raw frames against a real sidecar process: what a well-behaved client gets,
 what a hostile one gets (and that the sidecar is unharmed), who may connect, and
 that a client whose lane vanishes carries on over gRPC."""
 

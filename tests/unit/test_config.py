@@ -963,3 +963,20 @@ def test_queue_depth_and_write_policy_reach_the_tier(env: dict[str, str]) -> Non
     assert (cfg.disk.write_policy, cfg.disk.queue_depth) == ("write_back", 8)
     with pytest.raises(ConfigError, match=r"^redis\.write_policy: "):
         config_from_dict({"redis": {"write_policy": "sometimes"}}, env=env)
+
+
+def test_connection_timers_are_settings_from_file_and_env(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """sidecar.keepalive_s and sidecar.handshake_timeout_s: 10 s unless set (the
+    constants they replaced), from a file or the environment, and bounded."""
+    defaults = load_config(env=env).sidecar
+    assert (defaults.keepalive_s, defaults.handshake_timeout_s) == (10.0, 10.0)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"sidecar": {"keepalive_s": 0.5}}))
+    env |= {"LMTIER_SIDECAR__HANDSHAKE_TIMEOUT_S": "0.25"}
+    side = load_config(path, env=env).sidecar
+    assert (side.keepalive_s, side.handshake_timeout_s) == (0.5, 0.25)
+    for key, bad in (("keepalive_s", 0.01), ("handshake_timeout_s", 7200)):
+        with pytest.raises(ConfigError, match=f"sidecar.{key}"):
+            config_from_dict({"sidecar": {key: bad}}, env=env)

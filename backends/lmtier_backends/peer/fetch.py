@@ -32,13 +32,14 @@ import grpc
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, brief
-from lmtier.sidecar.auth import channel_credentials
-from lmtier.sidecar.peer import CONTAINS_METHOD, FETCH_METHOD
 from lmtier.storage.budget import Progress
 from lmtier.storage.tier import UNSERVABLE, CheckedRead
 from lmtier.v1 import sidecar_pb2 as pb
-from lmtier.wire.peer_auth import NodeKey, RequestProof
+from lmtier.wire.credentials import channel_credentials
+from lmtier.wire.keepalive import DEFAULT_KEEPALIVE_S, keepalive_options
+from lmtier.wire.peer_auth import CONTAINS_METHOD, FETCH_METHOD, NodeKey, RequestProof
 from lmtier.wire.pieces import Piece, decode_piece
+from lmtier.wire.status import REFUSALS
 
 __all__ = ["Check", "PeerClient", "PeerTLS"]
 
@@ -47,8 +48,6 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024**2
 """The largest piece accepted from a peer (a peer cuts chunks at its
 ``stream_piece_bytes``, 4 MiB by default)."""
-KEEPALIVE_MS = 10_000
-_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 Check = Callable[[ChunkKey, memoryview, int], CheckedRead]
 """Checks chunk ``key``, just received whole into ``buffer[:size]`` (``Tier.check_read``)."""
@@ -76,13 +75,13 @@ class PeerClient:
         tls: PeerTLS | None = None,
         timeout_s: float = 1.0,
         progress: Progress | None = None,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
     ) -> None:
         self.key = key
         self._credentials = None
         self._options: list[tuple[str, object]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            *keepalive_options(keepalive_s),  # sidecar.keepalive_s
             ("grpc.enable_http_proxy", 0),
         ]
         if tls is not None:
@@ -188,7 +187,7 @@ class PeerClient:
         return intake.sizes
 
     def _error(self, address: str, code: grpc.StatusCode, details: str | None) -> BackendError:
-        if code in _REFUSED:
+        if code in REFUSALS:
             if address not in self._refused:
                 self._refused.add(address)
                 logger.warning(

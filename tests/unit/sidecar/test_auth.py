@@ -20,9 +20,9 @@ from lmtier.sidecar.auth import (
     ANONYMOUS,
     Authenticator,
     Principal,
-    channel_credentials,
     server_credentials,
 )
+from lmtier.wire.credentials import channel_credentials
 
 TOKEN = "s3cr3t-token-value"
 OTHER = "another-token-9f2"

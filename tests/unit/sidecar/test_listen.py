@@ -16,14 +16,8 @@ from lmtier.config.sidecar import SidecarConfig
 from lmtier.errors import ConfigError
 from lmtier.sidecar import listen as listen_module
 from lmtier.sidecar.auth import Authenticator, Principal
-from lmtier.sidecar.listen import (
-    ListenAddress,
-    check_policy,
-    default_listen,
-    parse_listen,
-    prepare_unix_socket,
-    secure_unix_socket,
-)
+from lmtier.sidecar.listen import check_policy, prepare_unix_socket, secure_unix_socket
+from lmtier.wire.address import ListenAddress, default_listen, parse_listen
 
 NO_TOKEN = Authenticator()
 WITH_TOKEN = Authenticator([(Secret("a-token"), Principal("t"))])

@@ -1,4 +1,4 @@
-"""What a failed sidecar call means to its client (lmtier/wire/outcomes.py), and
+"""What a failed sidecar call means to its client (lmtier/wire/status.py), and
 where a client looks for a sidecar when it is given no address."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from lmtier.config import LMTierConfig
 from lmtier.errors import InvalidRequestError, PermissionDeniedError
 from lmtier.remote.client import sidecar_target
-from lmtier.wire.outcomes import SidecarRefused, SidecarUnavailable, outcome
+from lmtier.wire.status import SidecarRefused, SidecarUnavailable, outcome
 
 Code = grpc.StatusCode
 

@@ -15,11 +15,11 @@ from lmtier.sidecar.namespaces import (
     NamespaceCheck,
     SessionSpace,
     parse_keys,
-    to_wire,
 )
 from lmtier.sidecar.sessions import SessionNotFound, Sessions
 from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
+from lmtier.wire.namespaces import to_wire
 
 ALICE = Principal("alice")
 BOB = Principal("bob")
