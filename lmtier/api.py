@@ -54,7 +54,7 @@ from lmtier.maintenance import Maintenance, checked_keys
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
-from lmtier.storage.cpu_tier import open_memory_tier
+from lmtier.storage.cpu_tier import open_cpu_tier
 from lmtier.storage.lookup import Lookup
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.memory import HostPool, SlabHandle
@@ -183,7 +183,14 @@ class LMTier(Maintenance):
                 return self
             mac = load_key(self.config.integrity.key, self.config.integrity.key_file)
             slab_bytes = self.kv_spec.encoded_chunk_bytes(self.chunk_size)
-            memory = open_memory_tier(self.config, slab_bytes)
+            cpu, disk = self.config.cpu, self.config.disk
+            memory = open_cpu_tier(
+                slab_bytes,
+                cached_bytes=cpu.capacity_bytes if cpu.enabled else 0,
+                staging_bytes=cpu.staging_bytes,
+                max_pinned_fraction=cpu.max_pinned_fraction,
+                direct_io=disk.enabled and disk.o_direct,
+            )
             pool = memory.pool
             check = ChunkCheck(self.kv_spec.geometry(self.chunk_size), mac)
             self._runtime.start()

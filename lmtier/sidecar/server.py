@@ -48,7 +48,7 @@ from lmtier.sidecar.service import Parts, SidecarService
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.status import lenient
-from lmtier.storage.cpu_tier import open_memory_tier
+from lmtier.storage.cpu_tier import open_cpu_tier
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.plugins import open_tiers
 from lmtier.v1 import sidecar_pb2 as pb
@@ -107,7 +107,15 @@ class Sidecar:
             self.shm = SharedRegion.create(side.shm_dir, size)
             return self.shm.tensor
 
-        memory = open_memory_tier(config, side.slab_bytes, shared if offer_shm else None)
+        cpu, disk = config.cpu, config.disk
+        memory = open_cpu_tier(
+            side.slab_bytes,
+            cached_bytes=cpu.capacity_bytes if cpu.enabled else 0,
+            staging_bytes=cpu.staging_bytes,
+            max_pinned_fraction=cpu.max_pinned_fraction,
+            direct_io=disk.enabled and disk.o_direct,
+            region=shared if offer_shm else None,
+        )
         pool = memory.pool
         mac = load_key(config.integrity.key, config.integrity.key_file)
         check = NamespaceCheck(mac)
