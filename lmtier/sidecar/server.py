@@ -50,6 +50,7 @@ from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.status import lenient
 from lmtier.storage.cpu_tier import open_cpu_tier
 from lmtier.storage.manager import StorageManager
+from lmtier.storage.node import SharesNode
 from lmtier.storage.plugins import open_tiers
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.shm import SharedRegion
@@ -206,7 +207,8 @@ class Sidecar:
         try:
             node = await peer.start()
             for tier in manager.tiers:
-                await tier.attach_node(node)
+                if isinstance(tier, SharesNode):
+                    await tier.attach_node(node)
         except BaseException:
             await peer.stop(None)
             await manager.close()

@@ -60,7 +60,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from lmtier.chunks.format import DecodedChunk, decode_as
 from lmtier.chunks.keys import ChunkKey, check_namespace
@@ -68,9 +68,6 @@ from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, WritePolicy
 from lmtier.errors import CorruptChunk, NotSupportedError
 from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
-
-if TYPE_CHECKING:
-    from lmtier.storage.node import LocalNode
 
 __all__ = [
     "UNSERVABLE",
@@ -346,12 +343,6 @@ class Tier(ABC):
         except OSError as exc:
             self.stats.errors += 1
             logger.warning("%s: cannot save its pins to %s: %s", self.name, pins.path, exc)
-
-    async def attach_node(self, node: LocalNode) -> None:  # noqa: B027 - most tiers ignore it
-        """Told by a sidecar, once its StorageManager runs, what this node offers other
-        nodes: its CPU tier and the address of its peer listener. A tier that shares
-        the node's memory with a cluster (peer) starts publishing it; the others, the
-        default, ignore it."""
 
     def usage(self) -> dict[str, int]:
         """What the tier holds, for ``stats``: ``capacity_bytes``, ``used_bytes``,
