@@ -399,6 +399,12 @@ class ExtraTierConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings handed to the backend as they are; the backend checks them."""
 
+    def __hash__(self) -> int:
+        # Frozen configs are dictionary keys (the vLLM connector's caches per process);
+        # ``options`` is a plain dict, so the hash names the backend and equality
+        # compares the rest.
+        return hash((type(self), self.backend))
+
 
 # --- the whole configuration ---------------------------------------------------------
 
