@@ -30,11 +30,11 @@ from lmtier.errors import CacheClosedError
 from lmtier.results import HostMemory
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
-from lmtier.storage.cpu_tier import CPUTier, open_memory_tier
+from lmtier.storage.cpu_tier import CPUTier, open_cpu_tier
 from lmtier.storage.lookup import LoadedChunk, Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
 from lmtier.storage.memory import HostPool, SlabHandle
-from lmtier.storage.node import LocalNode
+from lmtier.storage.node import LocalNode, SharesNode
 from lmtier.storage.plugins import open_tiers
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.stats import TierStats
@@ -97,7 +97,15 @@ class LocalStore:
         memory (:func:`~lmtier.storage.memory.open_host_pool`)."""
         config = self.config
         chunk_check = check(load_key(config.integrity.key, config.integrity.key_file))
-        memory = open_memory_tier(config, slab_bytes, region)
+        cpu, disk = config.cpu, config.disk
+        memory = open_cpu_tier(
+            slab_bytes,
+            cached_bytes=cpu.capacity_bytes if cpu.enabled else 0,
+            staging_bytes=cpu.staging_bytes,
+            max_pinned_fraction=cpu.max_pinned_fraction,
+            direct_io=disk.enabled and disk.o_direct,
+            region=region,
+        )
         try:
             tiers = await open_tiers(config)
             manager = StorageManager(memory, tiers, check=chunk_check)
@@ -127,10 +135,11 @@ class LocalStore:
         return HostView(manager.memory, manager.lock, manager.writes.sealer)
 
     async def attach_node(self, node: LocalNode) -> None:
-        """Tell every tier the address this node serves its CPU tier on (the peer
-        tier publishes it)."""
+        """Tell the tiers that publish this node (:class:`~lmtier.storage.node.SharesNode`:
+        the peer tier) the address it serves its CPU tier on."""
         for tier in self.manager.tiers:
-            await tier.attach_node(node)
+            if isinstance(tier, SharesNode):
+                await tier.attach_node(node)
 
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's counters, host memory's first (a snapshot any thread may take)."""

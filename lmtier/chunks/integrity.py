@@ -33,8 +33,8 @@ from pathlib import Path
 
 from lmtier.chunks.encoding import signed_header
 from lmtier.chunks.format import DecodedChunk
-from lmtier.config.secrets import Secret
 from lmtier.errors import ConfigError
+from lmtier.secret import Secret
 
 __all__ = ["MIN_KEY_BYTES", "ChunkMac", "load_key"]
 

@@ -20,13 +20,14 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import AfterValidator, Field, field_validator
 
 from lmtier.chunks.keys import BLOCK_SIZE, HASH_ALGORITHMS, HashAlgorithm
 from lmtier.config.peer import PeerConfig
+from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, ConfiguredWritePolicy
 from lmtier.config.secrets import MASK, Secret, SecretURL, redact_url
 from lmtier.config.section import Section as _Section
 from lmtier.config.sidecar import SidecarConfig
@@ -46,7 +47,6 @@ from lmtier.config.types import (
     Wait,
 )
 from lmtier.errors import ConfigError, brief
-from lmtier.storage.tier import DEFAULT_QUEUE_DEPTH
 
 __all__ = [
     "MAX_CHUNK_SIZE",
@@ -75,7 +75,6 @@ MAX_LOOKUP_KEY_S = 1.0
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 _GIB = 1024**3
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-WritePolicy = Literal["write_through", "write_back"]
 
 
 # --- rules of single fields ----------------------------------------------------------
@@ -236,7 +235,7 @@ def default_disk_path(env: Mapping[str, str]) -> Path:
 class _ByteTierSection(_Section):
     """What every tier below host memory takes: how it receives new chunks."""
 
-    write_policy: WritePolicy = "write_through"
+    write_policy: ConfiguredWritePolicy = "write_through"
     """``write_through``: every new chunk is written here in the background;
     ``write_back``: only chunks the CPU tier evicts are."""
     queue_depth: Count = DEFAULT_QUEUE_DEPTH
@@ -399,6 +398,12 @@ class ExtraTierConfig(_Section):
     """The entry point's name."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings handed to the backend as they are; the backend checks them."""
+
+    def __hash__(self) -> int:
+        # Frozen configs are dictionary keys (the vLLM connector's caches per process);
+        # ``options`` is a plain dict, so the hash names the backend and equality
+        # compares the rest.
+        return hash((type(self), self.backend))
 
 
 # --- the whole configuration ---------------------------------------------------------

@@ -1,6 +1,7 @@
 """Values that must never reach a repr, a log line or ``lmtier config show``.
 
-:class:`Secret` wraps a credential (an AWS key, a token); :class:`SecretURL` wraps a
+:class:`Secret` (defined in :mod:`lmtier.secret`, below the chunk code that also
+holds one) wraps a credential (an AWS key, a token); :class:`SecretURL` wraps a
 URL that may carry one (``redis://:password@host``). Both print redacted; the only
 way to the value is an explicit ``reveal()``, so a grep for ``reveal(`` finds every
 place a secret leaves its wrapper. :func:`redact_url` is the same redaction as a
@@ -24,6 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote_plus
 
 from lmtier.errors import ConfigError
+from lmtier.secret import MASK, Secret
 
 __all__ = [
     "MASK",
@@ -40,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 REDACTED = "***"
 """What replaces a password or a secret query value in a redacted URL."""
-MASK = "**********"
-"""What a :class:`Secret` shows instead of its value (same length whatever the value)."""
 
 # Query parameters whose values are credentials (compared lowercased, after
 # percent-decoding the name). ``password``/``token`` are what Redis URLs use; the
@@ -100,39 +100,6 @@ def redact_url(url: str) -> str:
         elif index == 0 or not hidden[index - 1]:
             out.append(REDACTED)
     return f"{head}{sep}{''.join(out)}"
-
-
-class Secret:
-    """A credential string that prints as ``Secret('**********')``.
-
-    Equality compares the values in constant time. The hash is the same for every
-    Secret: consistent with equality, and it tells nothing about the value (a
-    value-derived hash would let anyone holding it test guesses).
-    """
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        if not isinstance(value, str):
-            raise TypeError(f"Secret wraps a str, got {type(value).__name__}")
-        self._value = value
-
-    def reveal(self) -> str:
-        """Return the secret value. Call it only where the value is handed to a client."""
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"Secret({MASK!r})"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Secret):
-            return NotImplemented
-        return hmac.compare_digest(self._value.encode(), other._value.encode())
-
-    def __hash__(self) -> int:
-        return hash(Secret)
 
 
 class SecretURL:

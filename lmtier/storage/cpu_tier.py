@@ -34,13 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.config import LMTierConfig
 from lmtier.storage.memory import HostPool, SlabHandle, open_host_pool
 from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties
 
-__all__ = ["CPUTier", "EvictCallback", "open_memory_tier"]
+__all__ = ["CPUTier", "EvictCallback", "open_cpu_tier"]
 
 logger = logging.getLogger(__name__)
 
@@ -279,15 +278,28 @@ class CPUTier(Tier):
         self.discard(list(self._entries))
 
 
-def open_memory_tier(
-    config: LMTierConfig,
+def open_cpu_tier(
     slab_bytes: int,
+    *,
+    cached_bytes: int,
+    staging_bytes: int,
+    max_pinned_fraction: float,
+    direct_io: bool,
     region: Callable[[int], torch.Tensor] | None = None,
 ) -> CPUTier:
-    """The CPU tier of a cache configured by ``config``, over a host pool allocated now
-    (:func:`~lmtier.storage.memory.open_host_pool`; ``region`` as there): its capacity
-    and its pin cap from the ``cpu`` section. Close its ``pool`` when done."""
-    pool, cache_slabs = open_host_pool(config, slab_bytes, region)
+    """The CPU tier of a cache over a host pool allocated now
+    (:func:`~lmtier.storage.memory.open_host_pool`: ``slab_bytes``, ``cached_bytes``,
+    ``staging_bytes``, ``direct_io`` and ``region`` as there): its capacity is the
+    pool's cached slabs and it pins at most ``max_pinned_fraction`` of them (the
+    ``cpu`` section's numbers; storage takes numbers, not the configuration). Close
+    its ``pool`` when done."""
+    pool, cache_slabs = open_host_pool(
+        slab_bytes,
+        cached_bytes=cached_bytes,
+        staging_bytes=staging_bytes,
+        direct_io=direct_io,
+        region=region,
+    )
     capacity = cache_slabs * pool.slab_bytes
-    pinned = int(capacity * config.cpu.max_pinned_fraction)
+    pinned = int(capacity * max_pinned_fraction)
     return CPUTier(pool, capacity, max_pinned_bytes=pinned)

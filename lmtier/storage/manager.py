@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from lmtier.chunks.keys import ChunkKey, check_namespace
 from lmtier.errors import CacheClosedError, NotSupportedError
+from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
@@ -68,7 +69,6 @@ from lmtier.storage.purging import (
     PURGE_FAILED,
     PURGE_TIMEOUT_S,
     PURGE_UNSUPPORTED,
-    PurgeBarriers,
     purge_tier,
 )
 from lmtier.storage.reads import Reads
@@ -132,7 +132,7 @@ class StorageManager:
         """Guards host-memory state (module docstring); re-entrant, since an eviction
         inside a put queues a write-back."""
         self.barriers = PurgeBarriers()
-        """Namespaces being purged, and since when (:mod:`lmtier.storage.purging`)."""
+        """Namespaces being purged, and since when (:mod:`lmtier.storage.barriers`)."""
         self.writes = BackgroundWrites(
             memory,
             [g for g in self.guards.values() if g.tier.properties.write_policy != "none"],
@@ -145,7 +145,16 @@ class StorageManager:
         self._evict_listeners: list[EvictListener] = []
         memory.on_evict = self._on_evict
         self._closed = False
-        self.reads = Reads(self)
+        self.reads = Reads(
+            memory,
+            self.tiers,
+            self.guards,
+            self.check,
+            lock=self.lock,
+            writes=self.writes,
+            barriers=self.barriers,
+            acquire=self.acquire_slabs,
+        )
 
     async def start(self) -> None:
         """Start one background writer per byte tier. Call once, on the runtime's loop."""

@@ -43,7 +43,6 @@ from collections.abc import Callable
 import torch
 
 from lmtier.chunks.format import PAYLOAD_ALIGN, align_up
-from lmtier.config import LMTierConfig
 from lmtier.config.sizes import format_size
 from lmtier.errors import CapacityError, ConfigError, HandleError
 
@@ -404,33 +403,37 @@ DIRECT_IO_ALIGN = 4096
 
 
 def open_host_pool(
-    config: LMTierConfig,
     slab_bytes: int,
+    *,
+    cached_bytes: int,
+    staging_bytes: int,
+    direct_io: bool,
     region: Callable[[int], torch.Tensor] | None = None,
 ) -> tuple[HostPool, int]:
     """The host pool of a cache (its cached slabs, then staging) and how many slabs
-    the CPU tier gets: ``cpu.capacity_bytes`` (when the CPU tier is on) plus
-    ``cpu.staging_bytes``, in whole slabs of ``slab_bytes``, allocated now.
+    the CPU tier gets: ``cached_bytes`` (``cpu.capacity_bytes`` when the CPU tier is
+    on, else 0) plus ``staging_bytes`` (``cpu.staging_bytes``), in whole slabs of
+    ``slab_bytes``, allocated now. It takes numbers, not the configuration, so that
+    storage stays above config and a pool can be opened without one.
 
     Slabs are aligned to the chunk format's payload alignment (64 bytes), or to a page
-    where a tier reads with O_DIRECT into them (the disk's ``o_direct``): a 32 KiB
-    chunk then takes 32.25 KiB of host memory, not 36. ConfigError when the settings
-    leave no slab at all. ``region(size)``, when given, supplies the memory (the
-    sidecar's shared mapping) instead of an allocation.
+    where a tier reads with O_DIRECT into them (``direct_io``: the disk's ``o_direct``):
+    a 32 KiB chunk then takes 32.25 KiB of host memory, not 36. ConfigError when the
+    settings leave no slab at all. ``region(size)``, when given, supplies the memory
+    (the sidecar's shared mapping) instead of an allocation.
     """
-    disk, cpu = config.disk, config.cpu
-    align = DIRECT_IO_ALIGN if disk.enabled and disk.o_direct else PAYLOAD_ALIGN
+    align = DIRECT_IO_ALIGN if direct_io else PAYLOAD_ALIGN
     stride = align_up(slab_bytes, align)
-    cache_slabs = cpu.capacity_bytes // stride if cpu.enabled else 0
-    staging_slabs = cpu.staging_bytes // stride
-    if cpu.enabled and cpu.capacity_bytes and not cache_slabs:
+    cache_slabs = cached_bytes // stride
+    staging_slabs = staging_bytes // stride
+    if cached_bytes and not cache_slabs:
         raise ConfigError(
-            f"cpu.capacity_bytes of {format_size(cpu.capacity_bytes)} holds no chunk of "
+            f"cpu.capacity_bytes of {format_size(cached_bytes)} holds no chunk of "
             f"{format_size(stride)}; raise it, or set cpu.enabled: false"
         )
     if not cache_slabs + staging_slabs:
         raise ConfigError(
-            f"cpu.staging_bytes of {format_size(cpu.staging_bytes)} holds no chunk of "
+            f"cpu.staging_bytes of {format_size(staging_bytes)} holds no chunk of "
             f"{format_size(stride)} and the CPU tier holds none: raise cpu.staging_bytes"
         )
     num_slabs = cache_slabs + staging_slabs

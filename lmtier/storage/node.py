@@ -1,13 +1,19 @@
-"""What a sidecar offers the other nodes of its cluster (:meth:`Tier.attach_node`)."""
+"""What a sidecar offers the other nodes of its cluster, and the tiers that publish it.
+
+The :class:`~lmtier.storage.tier.Tier` contract knows nothing of nodes: a tier that
+shares the node's memory with a cluster (the peer tier) says so by having
+``attach_node`` (:class:`SharesNode`), and the sidecar tells only those tiers.
+"""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from lmtier.storage.cpu_tier import CPUTier
 
-__all__ = ["LocalNode"]
+__all__ = ["LocalNode", "SharesNode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,3 +28,13 @@ class LocalNode:
     memory: CPUTier
     lock: threading.RLock
     address: str
+
+
+@runtime_checkable
+class SharesNode(Protocol):
+    """A tier that shares this node's CPU tier with a cluster (the peer tier)."""
+
+    async def attach_node(self, node: LocalNode) -> None:
+        """Told by a sidecar, once its StorageManager runs, what this node offers other
+        nodes (its CPU tier and the address of its peer listener): the tier starts
+        publishing it."""

@@ -10,8 +10,8 @@ may have deleted some) and :data:`PURGE_UNSUPPORTED` (the tier cannot list its c
 nothing was asked of it).
 
 Host memory and the background writes keep moving while a purge runs, so
-:class:`PurgeBarriers` records which namespaces are being purged and when each last
-was. With it:
+:class:`~lmtier.storage.barriers.PurgeBarriers` records which namespaces are being
+purged and when each last was. With it:
 
 * a background write queued before the purge began (or on its way to its queue from
   a storing thread) is dropped by its writer, never sent; a write already being sent
@@ -28,13 +28,11 @@ are new), and writes another process or a direct tier caller makes meanwhile.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import TYPE_CHECKING
 
-from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey
 from lmtier.errors import NotSupportedError
 
-if TYPE_CHECKING:  # types only: both import this module
+if TYPE_CHECKING:
     from lmtier.storage.guard import TierGuard
     from lmtier.storage.writes import BackgroundWrites
 
@@ -43,7 +41,6 @@ __all__ = [
     "PURGE_SETTLE_S",
     "PURGE_TIMEOUT_S",
     "PURGE_UNSUPPORTED",
-    "PurgeBarriers",
     "purge_tier",
 ]
 
@@ -62,51 +59,6 @@ advance. A tier that reports I/O progress is still given up on once it stalls fo
 PURGE_SETTLE_S = 5.0
 """Longest a purge waits for a background write of its namespace already being sent
 to a tier (past that, the write may land after the purge; logged)."""
-
-
-class PurgeBarriers:
-    """Which namespaces are being purged, and since when each was last (module docstring).
-
-    Changed only under the StorageManager's lock; read under it (stores, promotions,
-    queueing) or on the loop's thread (writers), which is also where purges begin and
-    end. A write or a load takes a *stamp*, :attr:`epoch` when it began (a plain int
-    read); one purge begun since makes it :meth:`stale`. One int is kept per namespace
-    ever purged.
-    """
-
-    __slots__ = ("_active", "_last", "epoch")
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        """Advances at every purge; what writes and loads take as their stamp."""
-        self._last: dict[bytes, int] = {}
-        """Namespace -> the epoch at which its latest purge began."""
-        self._active: Counter[bytes] = Counter()
-        """Namespaces being purged (two purges of one namespace may overlap)."""
-
-    def begin(self, namespace: bytes) -> None:
-        """A purge of ``namespace`` starts: what is stamped before now is stale."""
-        self._last[namespace] = self.epoch
-        self.epoch += 1
-        self._active[namespace] += 1
-
-    def end(self, namespace: bytes) -> None:
-        """The purge :meth:`begin` announced is over."""
-        self._active[namespace] -= 1
-        if self._active[namespace] <= 0:
-            del self._active[namespace]
-
-    def purging(self, key: ChunkKey) -> bool:
-        """Whether a purge of ``key``'s namespace is running (a store now is refused)."""
-        return bool(self._active) and key[:NAMESPACE_BYTES] in self._active
-
-    def stale(self, key: ChunkKey, stamp: int) -> bool:
-        """Whether a write or promotion of ``key`` that began at ``stamp`` must not
-        happen: a purge of its namespace began since, or is running."""
-        if not self._last:
-            return False
-        namespace = key[:NAMESPACE_BYTES]
-        return namespace in self._active or self._last.get(namespace, -1) >= stamp
 
 
 async def purge_tier(

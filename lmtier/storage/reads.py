@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -43,7 +43,13 @@ from lmtier.storage.pacing import BatchPacer
 from lmtier.storage.tier import Tier
 
 if TYPE_CHECKING:
-    from lmtier.storage.manager import StorageManager
+    import threading
+
+    from lmtier.storage.barriers import PurgeBarriers
+    from lmtier.storage.check import ChunkCheck
+    from lmtier.storage.cpu_tier import CPUTier
+    from lmtier.storage.guard import TierGuard
+    from lmtier.storage.writes import BackgroundWrites
 
 __all__ = ["SPECULATIVE_FIRST", "Reads"]
 
@@ -60,17 +66,31 @@ def _release_all(handles: Sequence[SlabHandle]) -> None:
 
 class Reads:
     """The read side of one :class:`~lmtier.storage.manager.StorageManager` (module
-    docstring): it shares the manager's tiers, guards, checks, lock and writes."""
+    docstring). The manager hands over what it shares with it: its CPU tier, its
+    lower tiers and their guards, the chunk checks, its lock, its background writes
+    (promotions), its purge barriers and how to acquire slabs (``acquire(n)``: the
+    manager's, which evicts for room)."""
 
-    def __init__(self, owner: StorageManager) -> None:
-        self.memory = owner.memory
-        self.tiers = owner.tiers
-        self.guards = owner.guards
-        self.check = owner.check
-        self.lock = owner.lock
-        self.writes = owner.writes
-        self.barriers = owner.barriers
-        self._acquire: Callable[[int], list[SlabHandle]] = owner.acquire_slabs
+    def __init__(
+        self,
+        memory: CPUTier,
+        tiers: Sequence[Tier],
+        guards: Mapping[str, TierGuard],
+        check: ChunkCheck,
+        *,
+        lock: threading.RLock,
+        writes: BackgroundWrites,
+        barriers: PurgeBarriers,
+        acquire: Callable[[int], list[SlabHandle]],
+    ) -> None:
+        self.memory = memory
+        self.tiers = tiers
+        self.guards = guards
+        self.check = check
+        self.lock = lock
+        self.writes = writes
+        self.barriers = barriers
+        self._acquire = acquire
         self.pacers = {t.name: BatchPacer(self.guards[t.name].budget) for t in self.tiers}
         self._verifier: ThreadPoolExecutor | None = None
 

@@ -70,11 +70,6 @@ class ReopeningTier(Tier):
         self._inner: Tier | None = None
         self._closed = False
 
-    @property
-    def is_open(self) -> bool:
-        """Whether the real tier has been opened."""
-        return self._inner is not None
-
     async def _tier(self) -> Tier:
         if self._inner is not None:
             return self._inner

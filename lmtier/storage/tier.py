@@ -60,25 +60,21 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from lmtier.chunks.format import DecodedChunk, decode_as
 from lmtier.chunks.keys import ChunkKey, check_namespace
+from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, WritePolicy
 from lmtier.errors import CorruptChunk, NotSupportedError
 from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 
-if TYPE_CHECKING:
-    from lmtier.storage.node import LocalNode
-
 __all__ = [
-    "DEFAULT_QUEUE_DEPTH",
     "UNSERVABLE",
     "Buffer",
     "CheckedRead",
     "Tier",
     "TierProperties",
-    "WritePolicy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,12 +82,7 @@ logger = logging.getLogger(__name__)
 Buffer: TypeAlias = bytes | bytearray | memoryview
 """Encoded chunk bytes handed to ``put``."""
 
-WritePolicy = Literal["write_through", "write_back", "none"]
 _T = TypeVar("_T", bound="Tier")
-
-DEFAULT_QUEUE_DEPTH = 4096
-"""Background writes a tier may have waiting (at most half the host pool's slabs: see
-:mod:`lmtier.storage.writes`): a burst of several 128k-token prompts, not 256 chunks."""
 
 UNSERVABLE = -1
 """What ``Tier._read_into`` returns for a chunk that is present but can never be
@@ -352,12 +343,6 @@ class Tier(ABC):
         except OSError as exc:
             self.stats.errors += 1
             logger.warning("%s: cannot save its pins to %s: %s", self.name, pins.path, exc)
-
-    async def attach_node(self, node: LocalNode) -> None:  # noqa: B027 - most tiers ignore it
-        """Told by a sidecar, once its StorageManager runs, what this node offers other
-        nodes: its CPU tier and the address of its peer listener. A tier that shares
-        the node's memory with a cluster (peer) starts publishing it; the others, the
-        default, ignore it."""
 
     def usage(self) -> dict[str, int]:
         """What the tier holds, for ``stats``: ``capacity_bytes``, ``used_bytes``,

@@ -16,7 +16,7 @@ Its write leases go back only when its I/O is over (an abandoned write may still
 reading the slab).
 
 A purge of a namespace (:mod:`lmtier.storage.purging`) must not be undone by a write
-queued before it: writers drop writes its :class:`~lmtier.storage.purging.PurgeBarriers`
+queued before it: writers drop writes its :class:`~lmtier.storage.barriers.PurgeBarriers`
 call stale, right before sending a batch, and :meth:`BackgroundWrites.settled` lets
 the purge wait for a batch of the namespace already being sent.
 """
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey
+from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
 from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
-from lmtier.storage.purging import PurgeBarriers
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 

@@ -56,7 +56,6 @@ def test_async_save_then_load_round_trip_through_pinned_slabs() -> None:
     spec = KVSpec(4, 8, 128, "bfloat16")
     pages = random_pages(spec, 64)
     engine = TransferEngine(pages)
-    assert engine.is_async
     runs, counts = [[3, 9, 1, 40], [7, 8, 60]], [64, 37]  # a full chunk and a partial one
     pool, handles = slabs(spec, 2, 64)
     metas = [spec.meta(KEY, n) for n in counts]

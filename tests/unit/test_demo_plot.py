@@ -23,7 +23,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def demo_rows() -> list[Any]:
     pytest.importorskip("torch")
-    from lmtier_apps.demo.demo import DemoRow
+    from lmtier_apps.demo.rows import DemoRow
 
     served = [{}, {"device": 1536}, {"disk": 1536}, {"device": 512, "disk": 256}, {"cpu": 2560}]
     return [

@@ -40,7 +40,6 @@ def test_retries_with_backoff_then_delegates() -> None:
         down = False
         clock.now = 3.0
         assert await tier.put([(key, data)]) == 1
-        assert tier.is_open
         assert await tier.contains([key]) == 1
         assert await tier.get_into([key], [memoryview(bytearray(len(data)))]) == [len(data)]
         assert real.stats is tier.stats  # one history of counters

@@ -334,7 +334,6 @@ def test_from_tensors_refuses_unsupported_and_ambiguous_layouts() -> None:
 def test_geometry_and_slot_mapping() -> None:
     spec = KVSpec(L, H, D, "bfloat16")
     pages = PagedKVCache(spec, N, 16)
-    assert pages.bytes_per_block == 16 * L * 2 * H * D * 2
     assert (pages.dtype, pages.device, pages.num_layers) == (torch.bfloat16, torch.device("cpu"), L)
     assert pages.layer(0).shape == (2, N, 16, H, D)
     assert pages.slot_mapping([3, 1], 20).tolist() == [48 + i for i in range(16)] + [16, 17, 18, 19]
@@ -389,7 +388,7 @@ def test_layerwise_load_on_cpu_in_and_out_of_order(stacked: bool) -> None:
     for run, chunk in zip(runs, chunks, strict=True):
         gather(source, run, chunk)
     engine = TransferEngine(pages)
-    assert not engine.is_async and engine.pages is pages
+    assert engine.pages is pages
     targets = [[9, 3, 10], [22, 0], [6]]
     handle = engine.start_load(chunks, targets)
     assert handle.done() and handle.events == ()

@@ -2,7 +2,7 @@
 
 The plot is ``lmtier demo --plot``'s (:func:`lmtier_apps.demo.plot.write_ttft_plot`:
 TTFT with and without the cache per row, coloured by the serving tier), given the
-rows as :class:`~lmtier_apps.demo.demo.DemoRow`; that module and matplotlib are
+rows as :class:`~lmtier_apps.demo.rows.DemoRow`; the plot module and matplotlib are
 imported only when a plot is drawn.
 """
 
@@ -66,8 +66,8 @@ def story_json(result: StoryResult) -> dict[str, Any]:
 
 def write_plot(result: StoryResult, path: str | os.PathLike[str]) -> None:
     """A PNG of each row's TTFT with and without the cache, by serving tier."""
-    from lmtier_apps.demo.demo import DemoRow  # noqa: PLC0415 - torch, only to plot
-    from lmtier_apps.demo.plot import write_ttft_plot  # noqa: PLC0415
+    from lmtier_apps.demo.plot import write_ttft_plot  # noqa: PLC0415 - only to plot
+    from lmtier_apps.demo.rows import DemoRow  # noqa: PLC0415
 
     rows = [
         DemoRow(

@@ -42,6 +42,7 @@ from lmtier.kv_spec import KVSpec
 from lmtier_apps.command_cache import open_command_cache, sidecar_problem
 from lmtier_apps.demo.demo_model import DemoModel, build_demo_model, load_local_model
 from lmtier_apps.demo.plot import matplotlib_problem, write_ttft_plot
+from lmtier_apps.demo.rows import DemoRow
 from lmtier_apps.threads import set_torch_threads
 from lmtier_connector.device.prefix_cache import DevicePrefixCache
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
@@ -67,23 +68,6 @@ class DemoRequest:
     name: str
     prompt: list[int]
     reply_tokens: int = 0
-
-
-@dataclass(slots=True)
-class DemoRow:
-    """What one request measured."""
-
-    request: str
-    prompt_tokens: int
-    cached_tokens: int
-    tiers: dict[str, int]
-    ttft_ms: float
-    ttft_no_cache_ms: float
-    max_logit_diff: float
-
-    @property
-    def speedup(self) -> float:
-        return self.ttft_no_cache_ms / self.ttft_ms if self.ttft_ms else 0.0
 
 
 class Workload:

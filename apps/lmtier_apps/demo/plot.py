@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from lmtier.extras import MissingExtraError, require
 
 if TYPE_CHECKING:
-    from lmtier_apps.demo.demo import DemoRow
+    from lmtier_apps.demo.rows import DemoRow
 
 __all__ = ["TIER_COLORS", "dominant_tier", "matplotlib_problem", "write_ttft_plot"]
 

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from lmtier.chunks.keys import ChunkKey
+from lmtier.config.policy import WritePolicy
 from lmtier.errors import BackendUnavailable, ConfigError
 from lmtier.storage.blocking import finish, shutdown_pool
 from lmtier.storage.failures import FailureLog
@@ -59,7 +60,6 @@ from lmtier.storage.tier import (
     CheckedRead,
     Tier,
     TierProperties,
-    WritePolicy,
 )
 from lmtier_backends.disk.batch import fan_out, write_batch
 from lmtier_backends.disk.index import DiskIndex, RecentKeys, admit, wave_length

@@ -77,18 +77,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey, split_key
 from lmtier.config import RedisTierConfig
+from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, WritePolicy
 from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, Rule, settle
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import (
-    DEFAULT_QUEUE_DEPTH,
     UNSERVABLE,
     Buffer,
     Tier,
     TierProperties,
-    WritePolicy,
 )
 from lmtier_backends.redis.client import Node, Route, match_prefix, open_route
 from lmtier_backends.redis.wire import Reply, exchange, pack_command, pack_key_commands

@@ -332,11 +332,6 @@ class PagedKVCache:
         return self._block_size
 
     @property
-    def bytes_per_block(self) -> int:
-        """KV bytes one block holds over all layers, K and V (padding excluded)."""
-        return self._block_size * self._spec.bytes_per_token
-
-    @property
     def dtype(self) -> torch.dtype:
         return self._layers[0].dtype
 

@@ -377,11 +377,6 @@ class TransferEngine:
     def pages(self) -> PagedKVCache:
         return self._pages
 
-    @property
-    def is_async(self) -> bool:
-        """Whether transfers run on side streams (the pages are on a CUDA device)."""
-        return self._load_stream is not None
-
     def start_load(
         self, chunks: Sequence[ChunkSource], block_ids: Sequence[BlockIds]
     ) -> LoadHandle:
