@@ -86,7 +86,12 @@ def test_the_packages_go_into_its_own_environment_and_everything_runs_there(
     # Not one install by the interpreter that ran the script, nor by a bare pip.
     assert all(c.startswith("venv-python -m pip install") for c in installs), installs
     assert f"python3 -m venv {repo / '.venv-ci'}" in made
-    for tool in ("-m ruff check .", "-m ruff format --check .", "-m mypy", "-m pytest -q -n 2"):
+    for tool in (
+        "-m ruff check .",
+        "-m ruff format --check .",
+        "-m mypy",
+        "-m pytest -q -n 2 --durations=30",
+    ):
         assert f"venv-python {tool}" in made, made
     assert not [c for c in made if c.split()[0] in ("ruff", "mypy", "python", "apt-get")]
 
