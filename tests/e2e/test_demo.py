@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from demo_server import HANG_S
+
+from support.demo_server import HANG_S
 
 # Two demo runs per test: the suite's per-test limit (pyproject) is for one.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(2 * HANG_S + 120)]

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from demo_server import HANG_S
+
+from support.demo_server import HANG_S
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

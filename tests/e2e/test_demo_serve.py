@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from demo_server import CHUNK, HANG_S, LONG_TEXT, MAX_LOGIT_DIFF, OPENER, Server
+
+from support.demo_server import CHUNK, HANG_S, LONG_TEXT, MAX_LOGIT_DIFF, OPENER, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

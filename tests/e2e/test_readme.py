@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from support import ROOT
+
 pytestmark = pytest.mark.e2e
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 
 
 def test_readme_python_example_runs_twice(tmp_path: Path) -> None:

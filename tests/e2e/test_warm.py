@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from demo_server import CHUNK as SERVE_CHUNK
-from demo_server import LONG_TEXT, Server
 
 import lmtier
 from lmtier import LMTier, load_config
 from lmtier_apps.demo.demo_model import build_demo_model
 from lmtier_apps.demo.demo_tokenizer import demo_tokenizer
 from lmtier_connector.hf.adapter import CachedCausalLM, kv_spec_of
+from support.demo_server import CHUNK as SERVE_CHUNK
+from support.demo_server import LONG_TEXT, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

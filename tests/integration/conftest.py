@@ -5,6 +5,6 @@ needs another kind (a unix socket, a fresh server per test) defines its own, whi
 takes precedence.
 """
 
-from redis_servers import redis_server
+from support.redis_servers import redis_server
 
 __all__ = ["redis_server"]

@@ -19,8 +19,7 @@ from lmtier.extras import (
     missing_extra,
     require,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
+from support import ROOT
 
 
 def test_every_extra_named_is_one_of_pyproject() -> None:

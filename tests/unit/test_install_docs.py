@@ -13,8 +13,8 @@ import pytest
 import tomllib
 
 from lmtier.extras import EXTRA_MODULES
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOCS += [ROOT / "deploy" / "README.md", ROOT / "benchmarks" / "README.md"]
 EXTRAS = set(

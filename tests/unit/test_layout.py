@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import ROOT
+
 PACKAGES = {
     "lmtier": ROOT / "lmtier",
     "lmtier_backends": ROOT / "backends" / "lmtier_backends",

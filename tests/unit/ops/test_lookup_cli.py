@@ -7,13 +7,20 @@ import json
 from pathlib import Path
 
 import pytest
-from ops_helpers import CHUNK, GEOMETRY, MODEL_ID, SPEC, run_here, run_process, store, write_config
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from lmtier import cli
 from lmtier.errors import InvalidTokensError
 from lmtier.model_dir import model_identity
 from lmtier.ops.model_args import model_settings
+from support.ops_helpers import (
+    CHUNK,
+    GEOMETRY,
+    SPEC,
+    run_here,
+    store,
+    write_config,
+)
 
 PROMPT = list(range(100, 100 + 6 * CHUNK + 5))  # six full chunks and a tail
 WORDS = 60
@@ -42,25 +49,6 @@ def make_model_dir(directory: Path) -> Path:
     )
     tokenizer.save(str(directory / "tokenizer.json"))
     return directory
-
-
-def test_token_ids_from_stdin_report_the_disk_tier(tmp_path: Path) -> None:
-    config_path = write_config(tmp_path)
-    store(config_path, PROMPT[: 4 * CHUNK])  # the first four chunks only
-    done = run_process(
-        "--config",
-        str(config_path),
-        "lookup",
-        *GEOMETRY,
-        "--json",
-        stdin=" ".join(map(str, PROMPT)),
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    assert report["source"] == "embedded" and report["model_id"] == MODEL_ID
-    assert (report["tokens"], report["full_chunks"]) == (len(PROMPT), 6)
-    assert (report["cached_tokens"], report["cached_chunks"]) == (4 * CHUNK, 4)
-    assert report["tokens_by_tier"] == {"disk": 4 * CHUNK}
 
 
 def test_human_output_and_the_other_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from ops_helpers import CHUNK, GEOMETRY, MODEL_ID, chunk_file, store, write_config
 
 from lmtier.cli import main
+from support.ops_helpers import CHUNK, GEOMETRY, MODEL_ID, chunk_file, store, write_config
 
 
 class Terminal(io.StringIO):

@@ -1,0 +1,87 @@
+"""The vLLM connector's caches per process: keyed by the frozen config (no secret in
+a key's repr), shared and counted within a process, never inherited across a fork."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lmtier.config import LMTierConfig, Secret
+from lmtier.kv_spec import KVSpec
+
+with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from lmtier_connector.vllm import connector
+    from lmtier_connector.vllm.common import SidecarSettings
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "hunter2-in-a-url"
+TOKEN = "a-sidecar-token"
+
+
+class FakeCache:
+    """What the registry opens instead of a cache: counts its closes, and its pid."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+@pytest.fixture
+def caches(monkeypatch: pytest.MonkeyPatch) -> connector._Caches:
+    opened: list[FakeCache] = []
+
+    def open_cache(key: Any) -> FakeCache:
+        opened.append(FakeCache())
+        return opened[-1]
+
+    monkeypatch.setattr(connector, "_open_cache", open_cache)
+    return connector._Caches()
+
+
+def key(config: LMTierConfig | None = None) -> connector._CacheKey:
+    config = config or LMTierConfig(redis={"url": f"redis://:{PASSWORD}@h:6379/0"})
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", layout="LKTHD")
+    sidecar = SidecarSettings("unix:///tmp/lmtier.sock", token=Secret(TOKEN))
+    return (config, spec, "model", "rev", 1, 0, sidecar)
+
+
+def test_a_forked_child_opens_its_own_and_leaves_the_parents(caches: connector._Caches) -> None:
+    parent = caches.acquire(key())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's teardown
+        status = 1
+        try:
+            inherited = len(caches)
+            mine = caches.acquire(key())
+            caches.release(key())
+            verdict = (
+                inherited == 0
+                and mine is not parent
+                and mine.pid == os.getpid()  # type: ignore[attr-defined]
+                and mine.closes == 1  # type: ignore[attr-defined]
+                and parent.closes == 0  # type: ignore[attr-defined]
+            )
+            os.write(write, b"ok" if verdict else b"bad")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    answer = os.read(read, 16)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert answer == b"ok"
+    # The parent's cache is still its own, open and counted once.
+    assert len(caches) == 1 and caches.acquire(key()) is parent
+    assert parent.closes == 0  # type: ignore[attr-defined]
