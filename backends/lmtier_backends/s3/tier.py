@@ -196,6 +196,8 @@ class S3Tier(Tier):
         workers = self.config.max_concurrency
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"lmtier-{self.name}")
         loop = asyncio.get_running_loop()
+        # Each client its own: a start() tried again after a failed one finds none aborted.
+        self._connections = Connections(self._connections.closed_message)
         try:
             self._client = await loop.run_in_executor(pool, make_client, self.config)
             self._connections.attach(self._client)  # before the client's first request
