@@ -1,7 +1,8 @@
 """The S3 tier's worker-thread side: blocking boto3 calls, transfers and client plumbing.
 
 Client construction (:func:`make_client`) and the bucket check at open
-(:func:`check_bucket`); the transfer helpers (:class:`ViewReader`, a zero-copy PUT
+(:func:`check_bucket`); :class:`Connections`, which lets closing the tier end the
+client's requests in flight; the transfer helpers (:class:`ViewReader`, a zero-copy PUT
 body over the caller's buffer; :func:`read_body_into`, a GET body streamed into the
 caller's buffer); the translation of botocore and socket exceptions into
 :data:`RULES` to translate them (:func:`not_found` sorts 404s); the filter that
@@ -18,10 +19,13 @@ Client settings and transfer paths are explained in the tier's module docstring.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import re
+import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +52,7 @@ from lmtier.storage.failures import Rule
 
 __all__ = [
     "RULES",
+    "Connections",
     "Scan",
     "ViewReader",
     "check_bucket",
@@ -56,6 +61,8 @@ __all__ = [
     "read_body_into",
     "redact_botocore_logs",
 ]
+
+logger = logging.getLogger(__name__)
 
 _READ_BLOCK = 1 << 20
 """Bytes per ``read`` on the fallback (copying) GET path."""
@@ -148,6 +155,96 @@ def make_client(cfg: S3TierConfig) -> Any:
         region_name=cfg.region,
     )
     return session.client("s3", endpoint_url=cfg.endpoint_url, config=config)
+
+
+class Connections:
+    """The sockets of one boto3 client's connections, so that closing the tier ends its
+    requests in flight at once rather than after their timeouts and retry.
+
+    :meth:`attach` gives the client's connection pools a connection class that
+    registers each socket once it is connected, and a ``before-send`` hook that refuses
+    every request once :meth:`abort` has run. :meth:`abort` shuts every registered
+    socket down both ways: a thread blocked on an answer or a body (either way) gets EOF
+    or EPIPE at once, botocore's retry is refused by the hook, and the call fails with
+    BackendUnavailable (``closed_message``). Without this, ``client.close()`` only
+    closes idle connections: a request to a hung endpoint held its worker thread, and so
+    a cancelled call that waits for its buffers, and interpreter exit (which joins
+    the pool's threads), for the read timeout twice (one retry).
+
+    A socket connected after :meth:`abort` is shut down as it registers; a connect still
+    in progress is not interrupted (it ends within the connect timeout, and its request
+    is refused). Only sockets are shut down, never closed, so a file descriptor cannot
+    be reused under a thread that still holds it.
+    """
+
+    __slots__ = ("_closed", "_lock", "_sockets", "closed_message")
+
+    def __init__(self, closed_message: str) -> None:
+        self.closed_message = closed_message
+        self._lock = threading.Lock()
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def attach(self, client: Any) -> None:
+        """Track ``client``'s connections: call before its first request (no pool exists
+        yet). Reaches into botocore's ``URLLib3Session`` (its table of pool classes, which
+        its pool managers share); if that changes, logs a warning and tracks nothing."""
+        session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        classes = getattr(session, "_pool_classes_by_scheme", None)
+        if not isinstance(classes, dict):
+            logger.warning(
+                "botocore's connection pools are not where lmtier expects them: closing the "
+                "S3 tier will not end requests in flight (they end within their timeouts)"
+            )
+        else:
+            for scheme, pool_class in list(classes.items()):
+                classes[scheme] = self._tracking(pool_class)
+        client.meta.events.register("before-send.s3", self._refuse_when_closed)
+
+    def _tracking(self, pool_class: type[Any]) -> type[Any]:
+        """A subclass of ``pool_class`` whose connections register their sockets here."""
+        base: type[Any] = pool_class.ConnectionCls
+        register = self._register
+
+        def connect(conn: Any) -> None:
+            base.connect(conn)
+            register(conn.sock)
+
+        tracked = type(f"Tracked{base.__name__}", (base,), {"connect": connect})
+        return type(f"Tracked{pool_class.__name__}", (pool_class,), {"ConnectionCls": tracked})
+
+    def _register(self, sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        with self._lock:
+            if not self._closed:
+                self._sockets.add(sock)
+                return
+        _shut(sock)
+
+    def _refuse_when_closed(self, **_: Any) -> None:
+        if self._closed:
+            raise BackendUnavailable(self.closed_message)
+
+    def abort(self) -> None:
+        """Refuse every further request and shut down every connection. Idempotent."""
+        with self._lock:
+            self._closed = True
+            sockets = list(self._sockets)
+            self._sockets.clear()
+        for sock in sockets:
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways (the plain socket's call, under TLS too: the TLS
+    layer's would drop its state under a thread reading through it)."""
+    with contextlib.suppress(OSError):  # already closed, or never connected
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def check_bucket(client: Any, bucket: str, endpoint: str) -> None:

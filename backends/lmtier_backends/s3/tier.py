@@ -69,10 +69,15 @@ client) or boto3's default chain. Logs and ``repr`` show the endpoint (redacted)
 bucket; opening installs a filter that masks the access key id and session token in
 botocore's own DEBUG lines (it prints signed request headers).
 
-Close returns at once even if the endpoint hangs: the pool shuts down without
-waiting (``cancel_futures=True``) and the client closes its idle connections; a hung
-request ends within the timeouts and retry (its thread may delay interpreter exit
-that long).
+Close returns at once even if the endpoint hangs, and so do the requests in flight:
+it shuts down every connection of the client (:class:`~lmtier_backends.s3.io.Connections`),
+so a thread blocked on a hung endpoint fails at once and its retry is refused; the pool
+shuts down without waiting (``cancel_futures=True``). A closed tier keeps no thread
+waiting out a timeout: calls in flight fail with BackendUnavailable (a cancelled one
+returns, its buffers untouched, as soon as its thread has failed), and neither the
+event loop nor interpreter exit (which joins the pool's threads) waits for the
+endpoint. Only a TCP connect in progress is not interrupted: it ends within
+``timeout_s``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import UNSERVABLE, Buffer, CheckedRead, Tier, TierProperties
 from lmtier_backends.s3.io import (
     RULES,
+    Connections,
     Scan,
     ViewReader,
     check_bucket,
@@ -163,6 +169,7 @@ class S3Tier(Tier):
         )
         self._clock = clock
         self._client: Any = None
+        self._connections = Connections(f"S3 tier {name!r} ({self.bucket}) is closed")
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._background: set[asyncio.Task[None]] = set()
@@ -189,10 +196,14 @@ class S3Tier(Tier):
         workers = self.config.max_concurrency
         pool = ThreadPoolExecutor(workers, thread_name_prefix=f"lmtier-{self.name}")
         loop = asyncio.get_running_loop()
+        # Each client its own: a start() tried again after a failed one finds none aborted.
+        self._connections = Connections(self._connections.closed_message)
         try:
             self._client = await loop.run_in_executor(pool, make_client, self.config)
+            self._connections.attach(self._client)  # before the client's first request
             await loop.run_in_executor(pool, check_bucket, self._client, self.bucket, self._where())
         except BaseException:
+            self._connections.abort()
             pool.shutdown(wait=False, cancel_futures=True)
             if self._client is not None:
                 self._client.close()
@@ -416,13 +427,15 @@ class S3Tier(Tier):
             self._failures.record("expire", exc)
 
     async def close(self) -> None:
-        """Stop the pool without waiting for requests in flight and close the client's
-        connections: returns at once even if the endpoint hangs. Idempotent."""
+        """Shut down the client's connections, which ends requests in flight (they fail
+        with BackendUnavailable), and stop the pool without waiting: returns at once even
+        if the endpoint hangs. Idempotent."""
         if self._closed:
             return
         self._closed = True
         for task in list(self._background):
             task.cancel()
+        self._connections.abort()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
