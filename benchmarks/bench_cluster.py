@@ -66,8 +66,8 @@ from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key

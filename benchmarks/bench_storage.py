@@ -39,8 +39,8 @@ from lmtier.chunks.keys import ChunkKey, Namespace
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.runtime import Runtime
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier_backends.disk.tier import DiskTier
 

@@ -30,7 +30,7 @@ from lmtier.chunks.format import (
 )
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey, split_key
 from lmtier.errors import InvalidKVError, brief
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 
 __all__ = [
     "ChunkFramer",

@@ -31,9 +31,9 @@ from lmtier.results import HostMemory
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier, open_cpu_tier
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storage.node import LocalNode, SharesNode
 from lmtier.storage.plugins import open_tiers
 from lmtier.storage.sealing import Sealer
@@ -94,7 +94,7 @@ class LocalStore:
         """Open the pool, the tiers and the manager on the running loop: ``check``
         makes the chunk check from the configured integrity key (returned: a sidecar
         registers its sessions' namespaces with it); ``region`` allocates the pool's
-        memory (:func:`~lmtier.storage.memory.open_host_pool`)."""
+        memory (:func:`~lmtier.storage.host_pool.open_host_pool`)."""
         config = self.config
         chunk_check = check(load_key(config.integrity.key, config.integrity.key_file))
         cpu, disk = config.cpu, config.disk

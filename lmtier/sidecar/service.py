@@ -40,10 +40,10 @@ from lmtier.sidecar.namespaces import (
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.status import numeric_leaves
 from lmtier.sidecar.transfers import clipped, receive_chunks, send_chunks
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, TierSpan
 from lmtier.storage.lookup import Lookup as Found
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 from lmtier.wire.shm import SharedRegion

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from lmtier.chunks.format import DecodedChunk
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.cpu_tier import CPUTier
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 
 __all__ = ["LoadedChunk", "Lookup", "TierSpan", "Walk"]
 

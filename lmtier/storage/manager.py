@@ -62,8 +62,8 @@ from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
-from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS
 from lmtier.storage.purging import (
     PURGE_FAILED,

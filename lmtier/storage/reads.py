@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 from lmtier.chunks.format import DecodedChunk
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.blocking import run_blocking
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup
-from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import BatchPacer
 from lmtier.storage.tier import Tier
 

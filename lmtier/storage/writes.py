@@ -35,7 +35,7 @@ from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey
 from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier

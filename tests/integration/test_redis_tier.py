@@ -25,8 +25,8 @@ from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendTimeout, BackendUnavailable, ConfigError
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
 from lmtier_backends.redis.tier import RedisTier, open_tier

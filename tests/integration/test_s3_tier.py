@@ -32,8 +32,8 @@ from lmtier.config.secrets import Secret
 from lmtier.errors import BackendError, ConfigError
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
 from lmtier_backends.s3.io import SCAN_AHEAD_WINDOWS

@@ -25,7 +25,7 @@ from lmtier import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.remote.streaming import MessageSlab, ReceivedSlab
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.testing.sidecar import SidecarProcess
 
 pytestmark = pytest.mark.integration

@@ -21,8 +21,8 @@ from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.pacing import TARGET_FRACTION, BatchPacer
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Buffer, Tier, TierProperties

@@ -15,8 +15,8 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.blocking import run_blocking
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.pacing import INITIAL_CHUNKS, BatchPacer
 from lmtier.storage.tier import Buffer, TierProperties
 from lmtier.testing import DictTier, make_chunk

@@ -16,8 +16,8 @@ from lmtier.errors import BackendUnavailable, CacheClosedError, InvalidRequestEr
 from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import PURGE_FAILED, PURGE_UNSUPPORTED, StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Buffer, Tier, TierProperties
 from lmtier.testing import DictTier, make_chunk, random_key

@@ -14,8 +14,8 @@ from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.kv_spec import ChunkFramer, frame_slab
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import is_sealed
 from lmtier.storage.tier import TierProperties
 from lmtier.testing import DictTier, random_key

@@ -11,8 +11,8 @@ import pytest
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager, TierSpan
-from lmtier.storage.memory import HostPool
 from lmtier.storage.tier import TierProperties
 from lmtier.testing import DictTier, make_chunk
 
