@@ -109,11 +109,11 @@ def bench_lookup(repeats: int) -> dict[str, float]:
 
     async def setup() -> StorageManager:
         pool = HostPool(16 * 1024, 1200)
-        memory = CPUTier(pool)
+        cpu_tier = CPUTier(pool)
         disk = await DiskTier.open(workdir, 1 << 30, fsync=False)
-        await memory.put(small[:64] + extra[:256])
+        await cpu_tier.put(small[:64] + extra[:256])
         await disk.put(small[64:] + extra[256:])
-        manager = StorageManager(memory, [disk])
+        manager = StorageManager(cpu_tier, [disk])
         await manager.start()
         return manager
 

@@ -231,7 +231,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         known tiers, within the keys); None (walk the tiers again) otherwise."""
         if not request.lookup:
             return None
-        names = {self.parts.manager.memory.name, *(t.name for t in self.parts.manager.tiers)}
+        names = {self.parts.manager.cpu_tier.name, *(t.name for t in self.parts.manager.tiers)}
         spans, at = [], 0
         for span in request.lookup:
             if span.tier not in names or span.start != at or not at < span.stop <= num_keys:

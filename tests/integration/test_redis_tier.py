@@ -484,7 +484,7 @@ def test_faults_are_misses_and_the_breaker_recovers(tmp_path: Path) -> None:
             async def workload() -> None:
                 for round_ in range(30):
                     key, data = make_chunk(seed=round_)
-                    handle = manager.memory.acquire_slab()
+                    handle = manager.cpu_tier.acquire_slab()
                     assert handle is not None
                     handle.view[: len(data)] = data
                     manager.put(key, handle, len(data))
@@ -492,7 +492,7 @@ def test_faults_are_misses_and_the_breaker_recovers(tmp_path: Path) -> None:
                     assert elapsed < SLOW_S, f"lookup took {elapsed:.3f} s"
                     for chunk in await manager.get(keys):
                         chunk.release()
-                    await manager.memory.delete(keys)
+                    await manager.cpu_tier.delete(keys)
                     await asyncio.sleep(0.01)
 
             work = asyncio.create_task(workload())
@@ -507,7 +507,7 @@ def test_faults_are_misses_and_the_breaker_recovers(tmp_path: Path) -> None:
             await wait_for_breaker(manager, keys, "closed")
             fresh = [make_chunk() for _ in range(3)]
             for key, data in fresh:
-                handle = manager.memory.acquire_slab()
+                handle = manager.cpu_tier.acquire_slab()
                 assert handle is not None
                 handle.view[: len(data)] = data
                 manager.put(key, handle, len(data))

@@ -415,7 +415,7 @@ async def manager_on(tier: S3Tier) -> StorageManager:
 
 async def put_through(manager: StorageManager, items: list[tuple[ChunkKey, bytes]]) -> None:
     for key, data in items:
-        handle = manager.memory.acquire_slab()
+        handle = manager.cpu_tier.acquire_slab()
         assert handle is not None
         handle.view[: len(data)] = data
         manager.put(key, handle, len(data))

@@ -173,7 +173,7 @@ def test_background_writes_give_a_batch_its_byte_deadline() -> None:
         try:
             for seed in range(3):
                 key, data = make_chunk(num_tokens=4, hidden=16, seed=seed)
-                handle = manager.memory.acquire_slab()
+                handle = manager.cpu_tier.acquire_slab()
                 assert handle is not None
                 handle.view[: len(data)] = data
                 manager.put(key, handle, len(data))

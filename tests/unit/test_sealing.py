@@ -70,7 +70,7 @@ def test_two_tiers_share_one_sealing_and_receive_verifiable_chunks() -> None:
                 assert mac.verify(chunk)
         # Host memory sees the sealed header too (the same slab, rewritten in place).
         for key in keys:
-            shared = manager.memory.share(key)
+            shared = manager.cpu_tier.share(key)
             assert shared is not None
             assert is_sealed(shared[0].view[: shared[1]])
             shared[0].release()
