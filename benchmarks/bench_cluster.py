@@ -62,6 +62,7 @@ from bench_redis import get_copies, start_server
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig, RedisTierConfig
 from lmtier.config.secrets import Secret
+from lmtier.local_store import HostView
 from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
@@ -125,7 +126,7 @@ async def serve_node_a(url: str, chunks: list[tuple[ChunkKey, bytes]], conn: Con
     with lock:
         assert await cpu_tier.put(chunks) == len(chunks)
     config = LMTierConfig(peer={"enabled": True, "listen": "127.0.0.1:0", "token": TOKEN})
-    peer = PeerServer(config, Authenticator(), SidecarMetrics(), cpu_tier, lock, sealer=Sealer())
+    peer = PeerServer(config, Authenticator(), SidecarMetrics(), HostView(cpu_tier, lock, Sealer()))
     node = await peer.start()
     tier = PeerTier(url, key=NODE_KEY, publish_interval_s=0.05)
     await tier.attach_node(node)
