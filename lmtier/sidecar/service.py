@@ -20,7 +20,7 @@ import numpy as np
 
 from lmtier import __version__
 from lmtier.chunks.hashers import make_hasher
-from lmtier.chunks.keys import KEY_BYTES, ChunkKey
+from lmtier.chunks.keys import KEY_BYTES, NAMESPACE_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.errors import CapacityError, InvalidRequestError, brief
 from lmtier.sidecar.auth import Authenticator, Principal
@@ -28,7 +28,6 @@ from lmtier.sidecar.calls import InFlight, answer, session_stream, streaming, un
 from lmtier.sidecar.holds import StreamHold
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.namespaces import (
-    DIGEST_BYTES,
     MAX_CLIENT_NAME_CHARS,
     MAX_KEYS,
     NamespaceCheck,
@@ -365,7 +364,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         session open on (this one, or another salt's), in that namespace's geometry."""
         if len(key) != KEY_BYTES:
             raise InvalidRequestError(f"chunk {index}: a key is {KEY_BYTES} bytes")
-        digest = key[:DIGEST_BYTES]
+        digest = key[:NAMESPACE_BYTES]
         space = (
             session.space
             if digest == session.space.digest
