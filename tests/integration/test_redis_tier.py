@@ -29,7 +29,8 @@ from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
-from lmtier_backends.redis.tier import RedisTier, open_tier
+from lmtier_backends.redis import open_tier
+from lmtier_backends.redis.tier import RedisTier
 from lmtier_backends.redis.wire import ZeroCopyConnection, ZeroCopyUnixConnection
 
 pytestmark = pytest.mark.integration

@@ -36,8 +36,9 @@ from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
+from lmtier_backends.s3 import open_tier
 from lmtier_backends.s3.io import SCAN_AHEAD_WINDOWS
-from lmtier_backends.s3.tier import S3Tier, open_tier, read_body_into
+from lmtier_backends.s3.tier import S3Tier, read_body_into
 
 pytestmark = pytest.mark.integration
 
