@@ -62,12 +62,13 @@ from bench_redis import get_copies, start_server
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import LMTierConfig, RedisTierConfig
 from lmtier.config.secrets import Secret
+from lmtier.local_store import HostView
 from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
@@ -120,12 +121,12 @@ def node_a(url: str, chunks: list[tuple[bytes, bytes]], conn: Connection) -> Non
 
 async def serve_node_a(url: str, chunks: list[tuple[ChunkKey, bytes]], conn: Connection) -> None:
     payloads = [data for _, data in chunks]  # the raw server's ready messages
-    memory = CPUTier(HostPool(SLAB, len(chunks) + 1, pin=False))
+    cpu_tier = CPUTier(HostPool(SLAB, len(chunks) + 1, pin=False))
     lock = threading.RLock()
     with lock:
-        assert await memory.put(chunks) == len(chunks)
+        assert await cpu_tier.put(chunks) == len(chunks)
     config = LMTierConfig(peer={"enabled": True, "listen": "127.0.0.1:0", "token": TOKEN})
-    peer = PeerServer(config, Authenticator(), SidecarMetrics(), memory, lock, sealer=Sealer())
+    peer = PeerServer(config, Authenticator(), SidecarMetrics(), HostView(cpu_tier, lock, Sealer()))
     node = await peer.start()
     tier = PeerTier(url, key=NODE_KEY, publish_interval_s=0.05)
     await tier.attach_node(node)
@@ -153,8 +154,8 @@ async def serve_node_a(url: str, chunks: list[tuple[ChunkKey, bytes]], conn: Con
         await tier.close()
         await raw.stop(None)
         await peer.stop(None)
-        await memory.close()
-        memory.pool.close()
+        await cpu_tier.close()
+        cpu_tier.pool.close()
 
 
 class NodeA:
@@ -323,11 +324,11 @@ def directory_lookup_us(
 
 
 async def open_manager(url: str, with_peer: bool) -> StorageManager:
-    memory = CPUTier(HostPool(64 * 1024, 4, pin=False))  # empty: every lookup walks on
+    cpu_tier = CPUTier(HostPool(64 * 1024, 4, pin=False))  # empty: every lookup walks on
     tiers: list[Tier] = [await RedisTier.open(url)]
     if with_peer:
         tiers.insert(0, PeerTier(url, key=NODE_KEY))  # after disk, before Redis
-    manager = StorageManager(memory, tiers)
+    manager = StorageManager(cpu_tier, tiers)
     await manager.start()
     return manager
 

@@ -25,7 +25,7 @@ from lmtier.chunks.format import decode
 from lmtier.chunks.integrity import ChunkMac
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, payload_tensor, seal_slab
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 
 SIZES = {
     "2MiB": KVSpec(num_layers=8, num_kv_heads=2, head_dim=64),  # 8 KiB/token x 256

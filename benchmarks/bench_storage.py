@@ -39,8 +39,8 @@ from lmtier.chunks.keys import ChunkKey, Namespace
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.runtime import Runtime
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier_backends.disk.tier import DiskTier
 
@@ -109,11 +109,11 @@ def bench_lookup(repeats: int) -> dict[str, float]:
 
     async def setup() -> StorageManager:
         pool = HostPool(16 * 1024, 1200)
-        memory = CPUTier(pool)
+        cpu_tier = CPUTier(pool)
         disk = await DiskTier.open(workdir, 1 << 30, fsync=False)
-        await memory.put(small[:64] + extra[:256])
+        await cpu_tier.put(small[:64] + extra[:256])
         await disk.put(small[64:] + extra[256:])
-        manager = StorageManager(memory, [disk])
+        manager = StorageManager(cpu_tier, [disk])
         await manager.start()
         return manager
 

@@ -32,7 +32,7 @@ import torch
 from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, payload_tensor
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import (
     TransferEngine,

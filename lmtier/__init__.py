@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from lmtier.kv_spec import KVSpec
     from lmtier.remote.client import connect
     from lmtier.results import CacheLookup, HostMemory, LoadResult
+    from lmtier.storage.host_pool import SlabHandle
     from lmtier.storage.lookup import LoadedChunk, Lookup
-    from lmtier.storage.memory import SlabHandle
 
 _EXPORTS = {
     "CacheLookup": "lmtier.results",
@@ -50,7 +50,7 @@ _EXPORTS = {
     "connect": "lmtier.remote.client",
     "LoadedChunk": "lmtier.storage.lookup",
     "Lookup": "lmtier.storage.lookup",
-    "SlabHandle": "lmtier.storage.memory",
+    "SlabHandle": "lmtier.storage.host_pool",
 }
 
 __all__ = [

@@ -49,8 +49,8 @@ from lmtier.errors import CacheClosedError, ConfigError, InvalidRequestError
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
 from lmtier.namespaces import Namespaces
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import Lookup
-from lmtier.storage.memory import SlabHandle
 from lmtier.store import ChunkStore, StoreLayout
 from lmtier.storing import store_chunks
 

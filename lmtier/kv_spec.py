@@ -21,6 +21,7 @@ import torch
 
 from lmtier.chunks.encoding import HeaderTemplate, MacSigner, encoded_size, header_bytes
 from lmtier.chunks.format import (
+    DIGEST_LEN,
     DTYPE_ITEMSIZE,
     LAYOUTS,
     PAGED_LAYOUTS,
@@ -30,7 +31,7 @@ from lmtier.chunks.format import (
 )
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey, split_key
 from lmtier.errors import InvalidKVError, brief
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 
 __all__ = [
     "ChunkFramer",
@@ -304,7 +305,7 @@ def payload_tensor(handle: SlabHandle, meta: ChunkMeta) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _template(dtype: str, shape: tuple[int, ...], layout: str, num_tokens: int) -> HeaderTemplate:
     """The header template of chunks of this geometry (one per geometry, shared)."""
-    blank = bytes(KEY_BYTES // 2)
+    blank = bytes(DIGEST_LEN)
     return HeaderTemplate(ChunkMeta(blank, blank, dtype, shape, layout, num_tokens))
 
 

@@ -31,9 +31,9 @@ from lmtier.results import HostMemory
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier, open_cpu_tier
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.storage.node import LocalNode, SharesNode
 from lmtier.storage.plugins import open_tiers
 from lmtier.storage.sealing import Sealer
@@ -55,7 +55,7 @@ class HostView(NamedTuple):
     the tier, the manager's lock its index is kept under, and the sealer that
     finishes a chunk's checksum before it may leave the node."""
 
-    memory: CPUTier
+    cpu_tier: CPUTier
     lock: threading.RLock
     sealer: Sealer
 
@@ -94,11 +94,11 @@ class LocalStore:
         """Open the pool, the tiers and the manager on the running loop: ``check``
         makes the chunk check from the configured integrity key (returned: a sidecar
         registers its sessions' namespaces with it); ``region`` allocates the pool's
-        memory (:func:`~lmtier.storage.memory.open_host_pool`)."""
+        memory (:func:`~lmtier.storage.host_pool.open_host_pool`)."""
         config = self.config
         chunk_check = check(load_key(config.integrity.key, config.integrity.key_file))
         cpu, disk = config.cpu, config.disk
-        memory = open_cpu_tier(
+        cpu_tier = open_cpu_tier(
             slab_bytes,
             cached_bytes=cpu.capacity_bytes if cpu.enabled else 0,
             staging_bytes=cpu.staging_bytes,
@@ -108,10 +108,10 @@ class LocalStore:
         )
         try:
             tiers = await open_tiers(config)
-            manager = StorageManager(memory, tiers, check=chunk_check)
+            manager = StorageManager(cpu_tier, tiers, check=chunk_check)
             await manager.start()
         except BaseException:
-            memory.pool.close()
+            cpu_tier.pool.close()
             raise
         self._manager = manager
         return chunk_check
@@ -127,12 +127,12 @@ class LocalStore:
     @property
     def pool(self) -> HostPool:
         """The host pool every slab of this store is in."""
-        return self.manager.memory.pool
+        return self.manager.cpu_tier.pool
 
     def host_view(self) -> HostView:
         """The CPU tier as the peer listener serves it (:class:`HostView`)."""
         manager = self.manager
-        return HostView(manager.memory, manager.lock, manager.writes.sealer)
+        return HostView(manager.cpu_tier, manager.lock, manager.writes.sealer)
 
     async def attach_node(self, node: LocalNode) -> None:
         """Tell the tiers that publish this node (:class:`~lmtier.storage.node.SharesNode`:
@@ -144,7 +144,7 @@ class LocalStore:
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's counters, host memory's first (a snapshot any thread may take)."""
         manager = self.manager
-        return {tier.name: tier.stats for tier in (manager.memory, *manager.tiers)}
+        return {tier.name: tier.stats for tier in (manager.cpu_tier, *manager.tiers)}
 
     def queue_depths(self) -> dict[str, int]:
         """Per tier below host memory: writes queued for it now (where it can tell)."""
@@ -171,7 +171,7 @@ class LocalStore:
         """Free the host pool (after :meth:`shut`); the store cannot be used again."""
         manager, self._manager = self._manager, None
         if manager is not None:
-            manager.memory.pool.close()
+            manager.cpu_tier.pool.close()
 
     def close(self, timeout_s: float | None) -> None:
         runtime = self._runtime
@@ -237,18 +237,18 @@ class LocalStore:
 
     def host_memory(self) -> HostMemory:
         manager = self._run()[0]
-        pool = manager.memory.pool
+        pool = manager.cpu_tier.pool
         return HostMemory(
             total_bytes=pool.nbytes,
             slab_bytes=pool.slab_bytes,
             slabs=pool.num_slabs,
             slabs_in_use=pool.num_in_use,
-            cached_chunks=len(manager.memory),
-            cache_capacity_chunks=manager.memory.max_chunks,
+            cached_chunks=len(manager.cpu_tier),
+            cache_capacity_chunks=manager.cpu_tier.max_chunks,
         )
 
     def in_memory(self, key: ChunkKey) -> bool:
-        return key in self._run()[0].memory
+        return key in self._run()[0].cpu_tier
 
     def add_evict_listener(self, callback: EvictListener) -> None:
         self._run()[0].add_evict_listener(callback)

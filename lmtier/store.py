@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lmtier.chunks.keys import ChunkKey, Namespace
 from lmtier.kv_spec import ChunkFramer, KVSpec
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 
 if TYPE_CHECKING:
     from lmtier.results import HostMemory

@@ -35,9 +35,9 @@ import msgpack
 import xxhash
 
 from lmtier.chunks.format import (
+    DIGEST_LEN,
     FLAG_UNSEALED,
     FORMAT_VERSION,
-    KEY_LEN,
     MAC_LEN,
     MAGIC,
     MAX_HEADER_LEN,
@@ -48,6 +48,7 @@ from lmtier.chunks.format import (
     decode,
     layout_tokens,
 )
+from lmtier.chunks.keys import KEY_BYTES
 
 __all__ = [
     "HeaderTemplate",
@@ -81,8 +82,8 @@ def _header_parts(
     packer = msgpack.Packer(use_bin_type=True)
     parts: list[tuple[str, bytes, int]] = [("", packer.pack_map_header(_FIELD_COUNT), 0)]
     for name, value, width in (
-        ("key", meta.key, KEY_LEN),
-        ("ns", meta.namespace, KEY_LEN),
+        ("key", meta.key, DIGEST_LEN),
+        ("ns", meta.namespace, DIGEST_LEN),
         ("dtype", meta.dtype, 0),
         ("shape", list(meta.shape), 0),
         ("layout", meta.layout, 0),
@@ -169,7 +170,7 @@ def encoded_size(meta: ChunkMeta) -> int:
 @functools.lru_cache(maxsize=256)
 def _payload_offset(dtype: str, shape: tuple[int, ...], layout: str) -> int:
     tokens = layout_tokens(shape, layout)
-    meta = ChunkMeta(bytes(KEY_LEN), bytes(KEY_LEN), dtype, shape, layout, tokens)
+    meta = ChunkMeta(bytes(DIGEST_LEN), bytes(DIGEST_LEN), dtype, shape, layout, tokens)
     return align_up(PREFIX_LEN + len(_pack_header(meta, 0, 0.0)))
 
 
@@ -245,8 +246,8 @@ class HeaderTemplate:
         ``sealed=False`` marks it ``UNSEALED`` (checksum and MAC to come:
         :func:`seal_header`); the values given for them are then ignored.
         """
-        if len(key) != 2 * KEY_LEN or len(mac) != MAC_LEN:
-            raise ValueError(f"a key is {2 * KEY_LEN} bytes and a MAC {MAC_LEN}")
+        if len(key) != KEY_BYTES or len(mac) != MAC_LEN:
+            raise ValueError(f"a key is {KEY_BYTES} bytes and a MAC {MAC_LEN}")
         out[: self.payload_offset] = self._render(key, ctime, checksum, mac, sealed)
         return self.encoded_size
 
@@ -255,7 +256,7 @@ class HeaderTemplate:
         for chunk ``key`` (at the time stamp ``data`` holds): a chunk framed by
         :meth:`frame_into` is checked with one compare instead of a decode. False for
         anything else (sealed, another geometry, damaged): decode it then."""
-        if len(key) != 2 * KEY_LEN or len(data) < self.encoded_size:
+        if len(key) != KEY_BYTES or len(data) < self.encoded_size:
             return False
         (ctime,) = _F64.unpack_from(data, self._offsets["ctime"])
         if not (math.isfinite(ctime) and ctime >= 0):
@@ -266,8 +267,8 @@ class HeaderTemplate:
     def _render(self, key: bytes, ctime: float, checksum: int, mac: bytes, sealed: bool) -> bytes:
         buf = bytearray(self._blank)
         at = self._offsets
-        buf[at["key"] : at["key"] + KEY_LEN] = key[KEY_LEN:]
-        buf[at["ns"] : at["ns"] + KEY_LEN] = key[:KEY_LEN]
+        buf[at["key"] : at["key"] + DIGEST_LEN] = key[DIGEST_LEN:]
+        buf[at["ns"] : at["ns"] + DIGEST_LEN] = key[:DIGEST_LEN]
         _F64.pack_into(buf, at["ctime"], ctime)
         if sealed:
             _U64.pack_into(buf, at["xxh"], checksum)

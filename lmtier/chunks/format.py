@@ -68,7 +68,7 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "FLAG_UNSEALED",
     "FORMAT_VERSION",
-    "KEY_LEN",
+    "DIGEST_LEN",
     "LAYOUTS",
     "MAGIC",
     "MAX_HEADER_LEN",
@@ -97,8 +97,10 @@ MAC_LEN = 32
 _NO_MAC = bytes(MAC_LEN)
 PAYLOAD_ALIGN = 64
 MAX_HEADER_LEN = 64 * 1024
-KEY_LEN = 16
-"""Length in bytes of both the chunk key and the namespace id."""
+DIGEST_LEN = 16
+"""Length in bytes of one 128-bit digest: a chunk's chained hash (the header's ``key``)
+or its namespace digest (``ns``). A :data:`~lmtier.chunks.keys.ChunkKey` is the two,
+namespace first (:data:`~lmtier.chunks.keys.KEY_BYTES` is ``2 * DIGEST_LEN``)."""
 
 PREFIX = struct.Struct("<4sHHIIQ")
 """magic, version, flags, header length, reserved, xxh3_64 of the header."""
@@ -189,8 +191,8 @@ def _check_meta(
     own ChunkMeta it stays a ValueError (a bug at the call site).
     """
     for name, value in (("key", key), ("namespace", namespace)):
-        if not isinstance(value, bytes) or len(value) != KEY_LEN:
-            raise ValueError(f"{name} must be {KEY_LEN} bytes, got {value!r:.60}")
+        if not isinstance(value, bytes) or len(value) != DIGEST_LEN:
+            raise ValueError(f"{name} must be {DIGEST_LEN} bytes, got {value!r:.60}")
     if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
         raise ValueError(f"unknown dtype {dtype!r:.60}; known: {sorted(DTYPE_ITEMSIZE)}")
     if not isinstance(layout, str) or layout not in LAYOUTS:
@@ -215,6 +217,8 @@ def _check_meta(
 class ChunkMeta:
     """What a chunk holds: its identity, element type, shape and layout.
 
+    Its identity is ``key``, the chained hash, and ``namespace``, the namespace
+    digest (:data:`DIGEST_LEN` bytes each): its ChunkKey is ``namespace + key``.
     Validated on construction (ValueError), so every ChunkMeta describes a chunk
     that can be encoded. ``created`` of 0.0 means "stamp time.time() at encode";
     a decoded meta carries the stamp from the header.
@@ -410,7 +414,7 @@ def decode_as(key: bytes, buf: Any, *, verify: bool = True) -> DecodedChunk:
     namespace then chain): a valid chunk of another key is :class:`InconsistentChunk`."""
     chunk = decode(buf, verify=verify)
     meta = chunk.meta
-    if meta.namespace != key[:KEY_LEN] or meta.key != key[KEY_LEN:]:
+    if meta.namespace != key[:DIGEST_LEN] or meta.key != key[DIGEST_LEN:]:
         raise InconsistentChunk(f"chunk holds key {(meta.namespace + meta.key).hex()}")
     return chunk
 

@@ -43,7 +43,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from lmtier.chunks.format import FORMAT_VERSION
+from lmtier.chunks.format import DIGEST_LEN, FORMAT_VERSION
 from lmtier.chunks.tokens import INT32_LIMIT, TokenArray, TokenInput, as_token_array
 from lmtier.errors import ConfigError, InvalidRequestError, brief
 
@@ -67,8 +67,10 @@ ChunkKey = NewType("ChunkKey", bytes)
 """The 32-byte key of one chunk: namespace digest (16) + chained hash (16); ``.hex()``
 is its printable form."""
 
-KEY_BYTES = 32
-NAMESPACE_BYTES = 16
+KEY_BYTES = 2 * DIGEST_LEN
+"""Length in bytes of a :data:`ChunkKey` (32): the namespace digest, then the chained hash."""
+NAMESPACE_BYTES = DIGEST_LEN
+"""Length in bytes of a namespace digest (16), the first half of every :data:`ChunkKey`."""
 
 
 def split_key(key: ChunkKey) -> tuple[bytes, bytes]:

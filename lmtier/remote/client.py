@@ -52,8 +52,8 @@ from lmtier.remote.slabs import (
 from lmtier.remote.streaming import StoreStreams, in_messages, receive_chunks
 from lmtier.results import HostMemory
 from lmtier.storage.check import ChunkCheck
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
-from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.store import Encoded, Reserved, StoreLayout
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.address import default_listen, parse_listen

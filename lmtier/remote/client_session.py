@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.lane import LaneClient
 from lmtier.wire.status import SidecarUnavailable

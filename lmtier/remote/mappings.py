@@ -12,7 +12,7 @@ import logging
 import threading
 from pathlib import Path
 
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.shm import SharedRegion
 

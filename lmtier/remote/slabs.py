@@ -5,7 +5,7 @@ owner. :class:`~lmtier.remote.client.SidecarStore` asks it for slabs to store in
 every request that grants, carries or ends a lease; the connection sends them (and
 batches the releases queued here into the next call).
 
-:class:`RemoteSlab` is a :class:`~lmtier.storage.memory.SlabHandle` over the client's
+:class:`RemoteSlab` is a :class:`~lmtier.storage.host_pool.SlabHandle` over the client's
 mapping of the pool, so everything written for host slabs (``LoadResult``, the
 facade's ``ChunkFramer``, the vLLM worker's gathers) uses it unchanged. What differs:
 releasing it tells the sidecar (queued, sent in the background), it has one owner
@@ -23,8 +23,8 @@ from lmtier.chunks.keys import KEY_BYTES, ChunkKey
 from lmtier.errors import HandleError
 from lmtier.remote.connection import ClientSession, Connection, SidecarUnavailable
 from lmtier.storage.check import ChunkCheck
+from lmtier.storage.host_pool import HostPool, SlabHandle, SoleLease
 from lmtier.storage.lookup import LoadedChunk
-from lmtier.storage.memory import HostPool, SlabHandle, SoleLease
 from lmtier.store import Reserved
 from lmtier.v1 import sidecar_pb2 as pb
 

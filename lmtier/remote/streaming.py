@@ -16,7 +16,7 @@ import torch
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.remote.connection import Connection
-from lmtier.storage.memory import HostPool, SlabHandle, SoleLease
+from lmtier.storage.host_pool import HostPool, SlabHandle, SoleLease
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.pieces import (
     PIECE_BYTES,

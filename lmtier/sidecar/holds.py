@@ -21,7 +21,7 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import InvalidRequestError
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.shares import Shares
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.wire.pieces import Piece
 
 __all__ = ["Incoming", "StreamHold"]

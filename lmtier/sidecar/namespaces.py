@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from lmtier.chunks.encoding import HeaderTemplate
 from lmtier.chunks.format import ChunkGeometry, DecodedChunk, decode_as
 from lmtier.chunks.integrity import ChunkMac
-from lmtier.chunks.keys import KEY_BYTES, ChunkKey, Namespace
+from lmtier.chunks.keys import KEY_BYTES, NAMESPACE_BYTES, ChunkKey, Namespace
 from lmtier.config import chunk_size_problem
 from lmtier.errors import CorruptChunk, InvalidRequestError, brief
 from lmtier.kv_spec import ChunkFramer, KVSpec
@@ -26,7 +26,6 @@ from lmtier.v1 import sidecar_pb2 as pb
 __all__ = [
     "MAX_CLIENT_NAME_CHARS",
     "MAX_NAME_CHARS",
-    "DIGEST_BYTES",
     "MAX_NAMESPACES",
     "NamespaceCheck",
     "SessionSpace",
@@ -36,7 +35,6 @@ __all__ = [
     "template_of",
 ]
 
-DIGEST_BYTES = KEY_BYTES // 2
 MAX_NAMESPACES = 65536
 """Geometries remembered (a few dozen bytes each); past it, the oldest are dropped
 (their chunks then miss until a session describes them again)."""
@@ -165,7 +163,7 @@ def parse_keys(data: bytes, digest: bytes) -> list[ChunkKey]:
         raise InvalidRequestError(f"at most {MAX_KEYS} keys per call, got {len(data) // 32}")
     keys = [ChunkKey(data[i : i + KEY_BYTES]) for i in range(0, len(data), KEY_BYTES)]
     for index, key in enumerate(keys):
-        if key[:DIGEST_BYTES] != digest:
+        if key[:NAMESPACE_BYTES] != digest:
             raise PermissionError(
                 f"key {index} ({brief(key.hex())}) is not of this session's namespace"
             )

@@ -85,7 +85,7 @@ class PeerServer:
                 key="peer.token",
             )
         self.metrics = metrics
-        self.memory, self.lock, self.sealer = host
+        self.cpu_tier, self.lock, self.sealer = host
         self._piece = config.sidecar.stream_piece_bytes
         self._server: grpc.aio.Server | None = None
         self.checker: ProofChecker | None = None
@@ -152,7 +152,7 @@ class PeerServer:
                 target,
             )
         self.checker = ProofChecker(self.key, advertise, window_s=peer.proof_window_s)
-        self.node = LocalNode(self.memory, self.lock, advertise)
+        self.node = LocalNode(self.cpu_tier, self.lock, advertise)
         logger.info("peer listener on %s (advertised as %s)", target, advertise)
         return self.node
 
@@ -172,7 +172,7 @@ class PeerServer:
             await context.send_initial_metadata(answer)
             for key in keys:
                 with self.lock:
-                    shared = self.memory.share(key)
+                    shared = self.cpu_tier.share(key)
                 if shared is None:
                     continue
                 handle, length = shared
@@ -198,7 +198,7 @@ class PeerServer:
             keys, answer = self._checked(request, context, CONTAINS_METHOD)
             await context.send_initial_metadata(answer)
             with self.lock:
-                leading = self.memory.count_prefix(keys)
+                leading = self.cpu_tier.count_prefix(keys)
             return pb.PeerContainsReply(leading=leading)
         except Exception as exc:
             code, text = status_of(exc, "PeerContains")

@@ -20,7 +20,7 @@ import numpy as np
 
 from lmtier import __version__
 from lmtier.chunks.hashers import make_hasher
-from lmtier.chunks.keys import KEY_BYTES, ChunkKey
+from lmtier.chunks.keys import KEY_BYTES, NAMESPACE_BYTES, ChunkKey
 from lmtier.config import LMTierConfig
 from lmtier.errors import CapacityError, InvalidRequestError, brief
 from lmtier.sidecar.auth import Authenticator, Principal
@@ -28,7 +28,6 @@ from lmtier.sidecar.calls import InFlight, answer, session_stream, streaming, un
 from lmtier.sidecar.holds import StreamHold
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.namespaces import (
-    DIGEST_BYTES,
     MAX_CLIENT_NAME_CHARS,
     MAX_KEYS,
     NamespaceCheck,
@@ -40,10 +39,10 @@ from lmtier.sidecar.namespaces import (
 from lmtier.sidecar.sessions import Session, Sessions
 from lmtier.sidecar.status import numeric_leaves
 from lmtier.sidecar.transfers import clipped, receive_chunks, send_chunks
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, TierSpan
 from lmtier.storage.lookup import Lookup as Found
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.v1 import sidecar_pb2_grpc as pb_grpc
 from lmtier.wire.shm import SharedRegion
@@ -231,7 +230,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         known tiers, within the keys); None (walk the tiers again) otherwise."""
         if not request.lookup:
             return None
-        names = {self.parts.manager.memory.name, *(t.name for t in self.parts.manager.tiers)}
+        names = {self.parts.manager.cpu_tier.name, *(t.name for t in self.parts.manager.tiers)}
         spans, at = [], 0
         for span in request.lookup:
             if span.tier not in names or span.start != at or not at < span.stop <= num_keys:
@@ -365,7 +364,7 @@ class SidecarService(pb_grpc.SidecarServicer):
         session open on (this one, or another salt's), in that namespace's geometry."""
         if len(key) != KEY_BYTES:
             raise InvalidRequestError(f"chunk {index}: a key is {KEY_BYTES} bytes")
-        digest = key[:DIGEST_BYTES]
+        digest = key[:NAMESPACE_BYTES]
         space = (
             session.space
             if digest == session.space.digest

@@ -5,7 +5,7 @@ A session is one client's view of one namespace; it lives exactly as long as the
 client's ``OpenSession`` stream (the service closes it when the stream ends: a
 close, a lost connection, a client killed by SIGKILL). Every slab lent to a client
 (a loaded chunk to read, a free slab to fill) is a :class:`Lease` of a session, and
-holds a :class:`~lmtier.storage.memory.SlabHandle`: the slab cannot be evicted or
+holds a :class:`~lmtier.storage.host_pool.SlabHandle`: the slab cannot be evicted or
 reused until the lease ends. A lease ends when the client releases or commits it,
 when its session closes, or at its deadline (:meth:`Sessions.reap`), whichever is
 first. Lease ids are per session: one client can never end another's lease. What
@@ -28,7 +28,7 @@ from lmtier.errors import CapacityError, brief
 from lmtier.sidecar.auth import Principal
 from lmtier.sidecar.namespaces import SessionSpace
 from lmtier.sidecar.shares import Shares
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.wire.status import SessionNotFound
 
 __all__ = ["Lease", "Session", "SessionNotFound", "Sessions"]

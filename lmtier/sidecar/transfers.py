@@ -12,9 +12,9 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import InvalidRequestError
 from lmtier.sidecar.holds import Incoming, StreamHold
 from lmtier.sidecar.sessions import Session
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import Lookup, TierSpan
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import SlabHandle
 from lmtier.wire.pieces import Piece, chunk_pieces, decode_piece
 
 __all__ = ["ChunkChecker", "clipped", "receive_chunks", "send_chunks"]

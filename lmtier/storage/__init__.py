@@ -11,7 +11,7 @@ and the StorageManager that walks them.
   may touch them).
 * :mod:`~lmtier.storage.check`: what a served chunk must be.
 * :mod:`~lmtier.storage.purging`: purging a namespace, and keeping it purged.
-* :mod:`~lmtier.storage.memory`, :mod:`~lmtier.storage.cpu_tier`: the host pool and the
+* :mod:`~lmtier.storage.host_pool`, :mod:`~lmtier.storage.cpu_tier`: the host pool and the
   CPU tier over it.
 * :mod:`~lmtier.storage.plugins`, :mod:`~lmtier.storage.reopening_tier`: opening the
   backends found by entry point, and standing in for one that is down.

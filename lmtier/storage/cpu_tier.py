@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from lmtier.chunks.keys import ChunkKey
-from lmtier.storage.memory import HostPool, SlabHandle, open_host_pool
+from lmtier.storage.host_pool import HostPool, SlabHandle, open_host_pool
 from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 from lmtier.storage.tier import UNSERVABLE, Buffer, Tier, TierProperties
@@ -288,7 +288,7 @@ def open_cpu_tier(
     region: Callable[[int], torch.Tensor] | None = None,
 ) -> CPUTier:
     """The CPU tier of a cache over a host pool allocated now
-    (:func:`~lmtier.storage.memory.open_host_pool`: ``slab_bytes``, ``cached_bytes``,
+    (:func:`~lmtier.storage.host_pool.open_host_pool`: ``slab_bytes``, ``cached_bytes``,
     ``staging_bytes``, ``direct_io`` and ``region`` as there): its capacity is the
     pool's cached slabs and it pins at most ``max_pinned_fraction`` of them (the
     ``cpu`` section's numbers; storage takes numbers, not the configuration). Close

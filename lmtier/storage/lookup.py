@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from lmtier.chunks.format import DecodedChunk
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.cpu_tier import CPUTier
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 
 __all__ = ["LoadedChunk", "Lookup", "TierSpan", "Walk"]
 
@@ -72,10 +72,10 @@ class Walk:
 
     __slots__ = ("found", "keys", "spans")
 
-    def __init__(self, keys: Sequence[ChunkKey], memory: CPUTier) -> None:
+    def __init__(self, keys: Sequence[ChunkKey], cpu_tier: CPUTier) -> None:
         self.keys = keys
-        self.found = memory.count_prefix(keys)
-        self.spans = [TierSpan(memory.name, 0, self.found)] if self.found else []
+        self.found = cpu_tier.count_prefix(keys)
+        self.spans = [TierSpan(cpu_tier.name, 0, self.found)] if self.found else []
 
     @property
     def done(self) -> bool:

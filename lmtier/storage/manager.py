@@ -62,8 +62,8 @@ from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
-from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS
 from lmtier.storage.purging import (
     PURGE_FAILED,
@@ -108,7 +108,7 @@ class StorageManager:
 
     def __init__(
         self,
-        memory: CPUTier,
+        cpu_tier: CPUTier,
         tiers: Sequence[Tier] = (),
         *,
         call_timeout_s: float | None = None,
@@ -116,10 +116,10 @@ class StorageManager:
         check: ChunkCheck | None = None,
         purge_timeout_s: float = PURGE_TIMEOUT_S,
     ) -> None:
-        names = [memory.name, *(tier.name for tier in tiers)]
+        names = [cpu_tier.name, *(tier.name for tier in tiers)]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
-        self.memory = memory
+        self.cpu_tier = cpu_tier
         self.tiers = list(tiers)
         self.call_timeout_s = call_timeout_s or DEFAULT_CALL_TIMEOUT_S
         self.check = check or ChunkCheck()
@@ -134,7 +134,7 @@ class StorageManager:
         self.barriers = PurgeBarriers()
         """Namespaces being purged, and since when (:mod:`lmtier.storage.barriers`)."""
         self.writes = BackgroundWrites(
-            memory,
+            cpu_tier,
             [g for g in self.guards.values() if g.tier.properties.write_policy != "none"],
             Sealer(sign),
             lock=self.lock,
@@ -143,10 +143,10 @@ class StorageManager:
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
         self._evict_listeners: list[EvictListener] = []
-        memory.on_evict = self._on_evict
+        cpu_tier.on_evict = self._on_evict
         self._closed = False
         self.reads = Reads(
-            memory,
+            cpu_tier,
             self.tiers,
             self.guards,
             self.check,
@@ -166,19 +166,19 @@ class StorageManager:
 
     @property
     def _chunk_bytes(self) -> int:
-        return self.memory.pool.slab_bytes
+        return self.cpu_tier.pool.slab_bytes
 
     # ---- lookup -----------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
         """How many leading chunks of ``keys`` some tier holds, and which tier serves each."""
         started = time.perf_counter()
-        walk = Walk(keys, self.memory)
+        walk = Walk(keys, self.cpu_tier)
         for tier in self.tiers:
             if walk.done:
                 break
             walk.add(tier.name, await self._contains(tier, walk.rest))
-        self.memory.stats.lookup_latency.record(time.perf_counter() - started)
+        self.cpu_tier.stats.lookup_latency.record(time.perf_counter() - started)
         return walk.result()
 
     def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
@@ -195,7 +195,7 @@ class StorageManager:
         return walk.result()
 
     def _walk_now(self, keys: Sequence[ChunkKey]) -> tuple[Walk, bool]:
-        walk = Walk(keys, self.memory)
+        walk = Walk(keys, self.cpu_tier)
         for tier in self.tiers:
             if walk.done:
                 break
@@ -232,10 +232,10 @@ class StorageManager:
         handles: list[SlabHandle] = []
         with self.lock:
             for _ in range(count):
-                handle = self.memory.acquire_slab()
+                handle = self.cpu_tier.acquire_slab()
                 if handle is None:
                     if count_drops:
-                        self.memory.stats.queue_drops += count - len(handles)
+                        self.cpu_tier.stats.queue_drops += count - len(handles)
                     break
                 handles.append(handle)
         return handles
@@ -258,13 +258,13 @@ class StorageManager:
             if self.barriers.purging(key):
                 handle.release()
                 return False
-            if key in self.memory:  # stored before: its writes were queued then
-                return self.memory.adopt(key, handle, size)  # recency; the lease goes
+            if key in self.cpu_tier:  # stored before: its writes were queued then
+                return self.cpu_tier.adopt(key, handle, size)  # recency; the lease goes
             queued = True
             for tier in self.tiers:
                 if tier.properties.write_policy == "write_through":
                     queued = self.writes.enqueue(tier, key, handle, size) and queued
-            self.memory.adopt(key, handle, size)
+            self.cpu_tier.adopt(key, handle, size)
             return queued
 
     def put_many(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
@@ -338,11 +338,11 @@ class StorageManager:
             self.barriers.begin(namespace)
         try:
             with self.lock:
-                keys = self.memory.discard_namespace(namespace)
-                self.memory.stats.purged += len(keys)
+                keys = self.cpu_tier.discard_namespace(namespace)
+                self.cpu_tier.stats.purged += len(keys)
                 for key in keys:
                     self._tell_listeners(key)
-            purged = {self.memory.name: len(keys)}
+            purged = {self.cpu_tier.name: len(keys)}
             for tier in self.tiers:
                 purged[tier.name] = await purge_tier(
                     self.guards[tier.name], self.writes, namespace, self.purge_timeout_s
@@ -358,7 +358,7 @@ class StorageManager:
         or :data:`PURGE_FAILED` / :data:`PURGE_UNSUPPORTED` as :meth:`purge` says."""
         namespace = check_namespace(namespace)
         with self.lock:
-            counts = {self.memory.name: await self.memory.count_namespace(namespace)}
+            counts = {self.cpu_tier.name: await self.cpu_tier.count_namespace(namespace)}
         for tier in self.tiers:
 
             async def call(tier: Tier = tier) -> int:
@@ -389,7 +389,7 @@ class StorageManager:
 
     def pinned(self, namespace: bytes) -> list[ChunkKey]:
         """The keys of one namespace (16-byte digest) pinned in any tier."""
-        tiers = [self.memory, *self.tiers]
+        tiers = [self.cpu_tier, *self.tiers]
         keys = {k for t in tiers if t.pins is not None for k in t.pins.snapshot()}
         return [key for key in keys if key.startswith(namespace)]
 
@@ -399,7 +399,7 @@ class StorageManager:
         with self.lock:
             if self._closed:
                 raise CacheClosedError("pin on a closed StorageManager")
-            done = {self.memory.name: await call(self.memory)}  # in memory: no I/O
+            done = {self.cpu_tier.name: await call(self.cpu_tier)}  # in memory: no I/O
         for tier in self.tiers:
             if tier.pins is not None:
                 run = functools.partial(call, tier)
@@ -422,11 +422,11 @@ class StorageManager:
         await self.writes.close(flush_s)
         with self.lock:
             self._closed = True
-            self.memory.discard(list(self.memory.keys()))
+            self.cpu_tier.discard(list(self.cpu_tier.keys()))
         abandoned = {task for guard in self.guards.values() for task in guard.abandoned}
         if abandoned:
             await asyncio.wait(abandoned, timeout=ABANDONED_WAIT_S)
-        for tier in [self.memory, *self.tiers]:
+        for tier in [self.cpu_tier, *self.tiers]:
             try:
                 await tier.close()
             except Exception:
@@ -436,7 +436,7 @@ class StorageManager:
     def stats(self) -> dict[str, dict[str, object]]:
         """Per-tier counters, fastest tier first, plus queue depths and batch sizes."""
         out: dict[str, dict[str, object]] = {}
-        for tier in [self.memory, *self.tiers]:
+        for tier in [self.cpu_tier, *self.tiers]:
             entry: dict[str, object] = {**tier.usage(), **tier.stats.as_dict()}
             depth = self.writes.depth(tier)
             if depth is not None:

@@ -20,12 +20,12 @@ __all__ = ["LocalNode", "SharesNode"]
 class LocalNode:
     """This node's CPU tier as other nodes may reach it.
 
-    ``memory`` is the StorageManager's CPU tier and ``lock`` the lock that guards it
+    ``cpu_tier`` is the StorageManager's CPU tier and ``lock`` the lock that guards it
     (read its keys or lease its slabs only under it); ``address`` is the ``host:port``
     where this node's ``lmtier.v1.Peer`` service answers.
     """
 
-    memory: CPUTier
+    cpu_tier: CPUTier
     lock: threading.RLock
     address: str
 

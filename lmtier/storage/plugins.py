@@ -1,15 +1,16 @@
 """Storage backends found by name through the ``lmtier.backends`` entry-point group.
 
-The core never imports a backend: the disk, Redis and S3 tiers live in the
+The core never imports a backend: the disk, peer, Redis and S3 tiers live in the
 ``lmtier_backends`` package (or a third party's) and register a factory::
 
     [project.entry-points."lmtier.backends"]
-    disk = "lmtier_backends.disk.tier:open_tier"
+    disk = "lmtier_backends.disk:open_tier"
 
-A factory is ``async def open_tier(section) -> Tier``. :func:`open_tiers` opens the
-enabled ones in waterfall order: disk, then peer, then Redis, then S3, then the config's
-``extra_tiers`` (third-party backends, each given its
-:class:`~lmtier.config.ExtraTierConfig`: the entry point's name and its options).
+A factory is ``async def open_tier(section) -> Tier``, given its config section as
+its one argument (each of lmtier_backends' is its package's ``open_tier``).
+:func:`open_tiers` opens the enabled ones in waterfall order: disk, then peer, then
+Redis, then S3, then the config's ``extra_tiers`` (third-party backends, each given
+its :class:`~lmtier.config.ExtraTierConfig`: the entry point's name and its options).
 A factory that raises BackendError (the server is down) does not stop the cache from
 opening: a :class:`~lmtier.storage.reopening_tier.ReopeningTier` stands in and
 retries. Any other error (a bad configuration, a missing bucket) does, and so does

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 from lmtier.chunks.format import DecodedChunk
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.blocking import run_blocking
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup
-from lmtier.storage.memory import SlabHandle
 from lmtier.storage.pacing import BatchPacer
 from lmtier.storage.tier import Tier
 
@@ -73,7 +73,7 @@ class Reads:
 
     def __init__(
         self,
-        memory: CPUTier,
+        cpu_tier: CPUTier,
         tiers: Sequence[Tier],
         guards: Mapping[str, TierGuard],
         check: ChunkCheck,
@@ -83,7 +83,7 @@ class Reads:
         barriers: PurgeBarriers,
         acquire: Callable[[int], list[SlabHandle]],
     ) -> None:
-        self.memory = memory
+        self.cpu_tier = cpu_tier
         self.tiers = tiers
         self.guards = guards
         self.check = check
@@ -106,7 +106,7 @@ class Reads:
 
     @property
     def _chunk_bytes(self) -> int:
-        return self.memory.pool.slab_bytes
+        return self.cpu_tier.pool.slab_bytes
 
     def _tier(self, name: str) -> Tier:
         for tier in self.tiers:
@@ -132,7 +132,7 @@ class Reads:
                 return loaded
             for span in lookup.spans:
                 span_keys = keys[span.start : span.stop]
-                if span.tier == self.memory.name:
+                if span.tier == self.cpu_tier.name:
                     chunks = await self._get_from_memory(span_keys)
                 else:
                     chunks = await self._get_from_tier(self._tier(span.tier), span_keys)
@@ -175,26 +175,26 @@ class Reads:
         chunks: list[LoadedChunk] = []
         with self.lock:
             for key in keys:
-                shared = self.memory.share(key)
+                shared = self.cpu_tier.share(key)
                 if shared is None:
                     break
                 handle, size = shared
                 chunk = self.check.header(key, handle.view[:size])
                 if chunk is None:  # never expected: a bug elsewhere, caught before it is served
                     handle.release()
-                    self.memory.stats.corrupt += 1
+                    self.cpu_tier.stats.corrupt += 1
                     logger.error(
-                        "%s: cached chunk %s failed its check", self.memory.name, key.hex()
+                        "%s: cached chunk %s failed its check", self.cpu_tier.name, key.hex()
                     )
                     self._forget([key])
                     break
-                chunks.append(LoadedChunk(key, self.memory.name, chunk, handle))
+                chunks.append(LoadedChunk(key, self.cpu_tier.name, chunk, handle))
         return chunks
 
     def _forget(self, keys: Sequence[ChunkKey]) -> None:
         """Drop chunks from the CPU tier."""
         with self.lock:
-            self.memory.discard(keys)
+            self.cpu_tier.discard(keys)
 
     async def _get_from_tier(
         self, tier: Tier, keys: Sequence[ChunkKey], *, first: int | None = None
@@ -285,7 +285,7 @@ class Reads:
         with self.lock:
             if self.barriers.stale(key, stamp):
                 return
-            self.memory.adopt(key, handle.share(), size)
+            self.cpu_tier.adopt(key, handle.share(), size)
             for tier in self.tiers:
                 if tier is source:
                     break

@@ -27,7 +27,7 @@ from lmtier.chunks.encoding import MacSigner, seal_header
 from lmtier.chunks.format import FLAG_UNSEALED, PREFIX, PREFIX_LEN
 from lmtier.errors import CorruptChunk
 from lmtier.storage.blocking import finish, run_blocking
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 
 __all__ = ["Sealer", "is_sealed"]
 

@@ -35,7 +35,7 @@ from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey
 from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
@@ -87,14 +87,14 @@ class BackgroundWrites:
 
     def __init__(
         self,
-        memory: CPUTier,
+        cpu_tier: CPUTier,
         guards: Sequence[TierGuard],
         sealer: Sealer | None = None,
         *,
         lock: threading.RLock | None = None,
         barriers: PurgeBarriers | None = None,
     ) -> None:
-        self.memory = memory
+        self.cpu_tier = cpu_tier
         self.sealer = sealer or Sealer()
         self.lock = lock or threading.RLock()
         self.barriers = barriers or PurgeBarriers()
@@ -114,7 +114,7 @@ class BackgroundWrites:
         """Start one writer per tier. Call once, on the runtime's loop."""
         self._loop = asyncio.get_running_loop()
         # A queue's writes hold slabs; half the pool stays for caching and loads.
-        most = max(1, self.memory.pool.num_slabs // 2)
+        most = max(1, self.cpu_tier.pool.num_slabs // 2)
         for name, guard in self.guards.items():
             self._depths[name] = min(guard.tier.properties.queue_depth, most)
             self._waiting[name] = 0
@@ -137,7 +137,7 @@ class BackgroundWrites:
                 tier.stats.queue_drops += 1
                 return False
             self._waiting[tier.name] += 1
-            lease = self.memory.share_for_write(handle)
+            lease = self.cpu_tier.share_for_write(handle)
             write = _Write(key, lease, size, self.barriers.epoch)
         if _on_loop(loop):
             queue.put_nowait(write)
@@ -152,7 +152,7 @@ class BackgroundWrites:
     async def _writer(
         self, guard: TierGuard, queue: asyncio.Queue[_Write], pacer: BatchPacer
     ) -> None:
-        tier, chunk_bytes = guard.tier, self.memory.pool.slab_bytes
+        tier, chunk_bytes = guard.tier, self.cpu_tier.pool.slab_bytes
         while True:
             batch = [await queue.get()]
             limit = pacer.size(chunk_bytes, MAX_CHUNKS)
@@ -240,7 +240,7 @@ class BackgroundWrites:
     def _release(self, batch: list[_Write]) -> None:
         with self.lock:
             for write in batch:
-                self.memory.release_write(write.handle)
+                self.cpu_tier.release_write(write.handle)
 
     async def flush(self) -> None:
         """Wait until every queued write has been attempted."""
@@ -268,7 +268,7 @@ class BackgroundWrites:
         with self.lock:
             for name, queue in self._queues.items():
                 while not queue.empty():
-                    self.memory.release_write(queue.get_nowait().handle)
+                    self.cpu_tier.release_write(queue.get_nowait().handle)
                     self.guards[name].tier.stats.queue_drops += 1
                     dropped += 1
                 self._waiting[name] = 0

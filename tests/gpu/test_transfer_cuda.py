@@ -14,7 +14,7 @@ import torch
 from lmtier.chunks.format import decode
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor, seal_slab
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import TransferEngine, gather
 

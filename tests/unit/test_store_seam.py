@@ -23,8 +23,8 @@ from lmtier.errors import CacheClosedError, InvalidKVError, InvalidRequestError
 from lmtier.local_store import LocalStore
 from lmtier.namespaces import Namespaces
 from lmtier.results import HostMemory
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
-from lmtier.storage.memory import HostPool, SlabHandle
 from lmtier.store import ChunkStore, Encoded, Reserved, StoreLayout
 
 CHUNK = 16

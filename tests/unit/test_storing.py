@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.store import Reserved
 
 

@@ -1,5 +1,7 @@
 """The local-disk tier: one file per chunk, an index rebuilt from file names, a
-directory shared safely by several processes. Entry point ``disk``."""
+directory shared safely by several processes. Entry point ``disk``: :func:`open_tier`."""
+
+from __future__ import annotations
 
 from lmtier.config import DiskTierConfig
 from lmtier_backends.disk.tier import DiskTier
@@ -8,7 +10,8 @@ __all__ = ["DiskTier", "open_tier"]
 
 
 async def open_tier(config: DiskTierConfig) -> DiskTier:
-    """Entry point ``lmtier.backends: disk``: open the disk tier ``config`` describes."""
+    """Entry point ``lmtier.backends: disk``: open the disk tier ``config`` (the ``disk``
+    section) describes."""
     return await DiskTier.open(
         config.path,
         config.capacity_bytes,

@@ -94,8 +94,8 @@ UNSERVABLE_MEMORY_S = 60.0
 class DiskTier(Tier):
     """Chunks as files under ``path``, LRU-evicted beyond ``capacity_bytes``.
 
-    ``await DiskTier.open(path, capacity_bytes, ...)`` (or :func:`open_tier` from a
-    config); the constructor only stores its arguments. See the module docstring.
+    ``await DiskTier.open(path, capacity_bytes, ...)`` (or :func:`~lmtier_backends.disk.open_tier`
+    from a config); the constructor only stores its arguments. See the module docstring.
     """
 
     pins: Pins

@@ -1,5 +1,5 @@
 """The peer tier: chunks fetched from other nodes' CPU tiers, found through a directory
-in the shared Redis (:mod:`.tier`). Entry point ``peer``."""
+in the shared Redis (:mod:`.tier`). Entry point ``peer``: :func:`open_tier`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ __all__ = ["PeerTier", "open_tier"]
 
 
 async def open_tier(config: PeerConfig) -> PeerTier:
-    """Entry point ``lmtier.backends: peer``: the peer tier ``config`` describes (with
-    the directory and certificate filled in from the ``redis`` and ``sidecar``
-    sections by :func:`lmtier.storage.plugins.peer_section`). No I/O but reading the
-    node secret: the directory is reached on first use, so a Redis that is down at
-    start costs misses only."""
+    """Entry point ``lmtier.backends: peer``: open the peer tier ``config`` (the ``peer``
+    section, with the directory and certificate filled in from the ``redis`` and
+    ``sidecar`` sections by :func:`lmtier.storage.plugins.peer_section`) describes. No
+    I/O but reading the node secret: the directory is reached on first use, so a Redis
+    that is down at start costs misses only."""
     if config.directory_url is None:
         raise ConfigError("peer.directory_url (or redis.url) is not set", key="peer")
     tls = None

@@ -111,7 +111,7 @@ class Publisher:
 
     async def _round(self, *, full: bool) -> None:
         with self.node.lock:
-            held = set(self.node.memory.keys())
+            held = set(self.node.cpu_tier.keys())
         gone = [key for key in self.published if key not in held]
         new = [key for key in held if key not in self.published]
         if gone:
@@ -129,7 +129,7 @@ class Publisher:
         if self._failing:
             return 0
         with self.node.lock:
-            held = self.node.memory.keys()
+            held = self.node.cpu_tier.keys()
         return sum(key not in self.published for key in held)
 
     async def stop(self) -> None:

@@ -238,8 +238,8 @@ class PeerTier(Tier):
         if node is None or publisher is None or not items:
             return 0
         with node.lock:  # the CPU tier's put never suspends: the lock is not held across I/O
-            stored = await node.memory.put(items)
-        keys = [key for key, _ in items if key in node.memory]
+            stored = await node.cpu_tier.put(items)
+        keys = [key for key, _ in items if key in node.cpu_tier]
         try:
             await publisher.publish_now(keys)
         except BackendError as exc:
@@ -260,7 +260,7 @@ class PeerTier(Tier):
         async with publisher.lock:  # no round in between: it could claim them again
             removed, mine = await self._withdraw(keys)
             with node.lock:
-                node.memory.discard(mine)
+                node.cpu_tier.discard(mine)
             publisher.forget(mine)
         return removed
 

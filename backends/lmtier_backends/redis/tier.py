@@ -33,10 +33,10 @@ TTL: ``ttl_s`` (None: keys live until Redis evicts them; configure ``maxmemory``
 ``refresh_ttl_on_hit``, renewed by every read that hits.
 
 Cluster mode: ``cluster=True``/``False`` on :meth:`RedisTier.open`; None (the default,
-and what :func:`open_tier` uses) asks the server at open (``INFO cluster``) for
-``redis://``/``rediss://`` URLs; ``unix://`` is always standalone. A ``MOVED``/``ASK``
-reply (resharding) sends that one command through redis-py's cluster client, which
-follows the redirect and updates its slot map.
+and what :func:`~lmtier_backends.redis.open_tier` uses) asks the server at open
+(``INFO cluster``) for ``redis://``/``rediss://`` URLs; ``unix://`` is always
+standalone. A ``MOVED``/``ASK`` reply (resharding) sends that one command through
+redis-py's cluster client, which follows the redirect and updates its slot map.
 
 Failures: a refused, reset or timed-out connection raises
 :class:`~lmtier.errors.BackendUnavailable` or :class:`~lmtier.errors.BackendTimeout`
@@ -76,10 +76,9 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey, split_key
-from lmtier.config import RedisTierConfig
 from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, WritePolicy
 from lmtier.config.secrets import SecretURL
-from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable, ConfigError
+from lmtier.errors import BackendError, BackendTimeout, BackendUnavailable
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, Rule, settle
 from lmtier.storage.stats import TierStats
@@ -92,7 +91,7 @@ from lmtier.storage.tier import (
 from lmtier_backends.redis.client import Node, Route, match_prefix, open_route
 from lmtier_backends.redis.wire import Reply, exchange, pack_command, pack_key_commands
 
-__all__ = ["CLOSE_TIMEOUT_S", "RedisTier", "open_tier"]
+__all__ = ["CLOSE_TIMEOUT_S", "RedisTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +116,8 @@ command's own refusal, like OOM, is a reply the tier reads, never an exception).
 class RedisTier(Tier):
     """Chunks as Redis strings, standalone or on a Redis Cluster (module docstring).
 
-    ``await RedisTier.open(url, ...)`` (or :func:`open_tier` from a config); the
-    constructor does no I/O.
+    ``await RedisTier.open(url, ...)`` (or :func:`~lmtier_backends.redis.open_tier` from a
+    config); the constructor does no I/O.
     """
 
     def __init__(
@@ -473,24 +472,3 @@ def _byte_view(data: Buffer) -> memoryview:
 
 def _shown(reply: Reply) -> str:
     return repr(reply[:200]) if isinstance(reply, bytes) else repr(reply)
-
-
-async def open_tier(config: RedisTierConfig) -> RedisTier:
-    """Entry point ``lmtier.backends: redis``: open the Redis tier ``config`` describes.
-
-    Cluster mode is detected at open (``INFO cluster``).
-    """
-    if config.url is None:
-        raise ConfigError("redis.url is not set: the Redis tier is disabled")
-    return await RedisTier.open(
-        config.url,
-        key_prefix=config.key_prefix,
-        ttl_s=config.ttl_s,
-        refresh_ttl_on_hit=config.refresh_ttl_on_hit,
-        timeout_s=config.timeout_s,
-        min_bytes_per_s=config.min_bytes_per_s,
-        lookup_key_s=config.lookup_key_s,
-        max_connections=config.max_connections,
-        write_policy=config.write_policy,
-        queue_depth=config.queue_depth,
-    )

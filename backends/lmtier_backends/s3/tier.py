@@ -94,7 +94,7 @@ from botocore.exceptions import ClientError
 from lmtier.chunks.keys import ChunkKey, split_key
 from lmtier.config import S3TierConfig
 from lmtier.config.secrets import redact_url
-from lmtier.errors import BackendError, BackendUnavailable, ConfigError
+from lmtier.errors import BackendError, BackendUnavailable
 from lmtier.storage.blocking import run_blocking
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.failures import ExceptionMap, FailureLog, settle
@@ -112,7 +112,7 @@ from lmtier_backends.s3.io import (
     redact_botocore_logs,
 )
 
-__all__ = ["S3Tier", "open_tier", "read_body_into"]
+__all__ = ["S3Tier", "read_body_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,9 @@ T = TypeVar("T")
 class S3Tier(Tier):
     """Chunks as objects in an S3 (or S3-compatible) bucket. See the module docstring.
 
-    ``await S3Tier.open(bucket, endpoint_url=..., ...)`` (or :func:`open_tier` from a
-    config); the constructor only stores its arguments, without I/O or threads.
+    ``await S3Tier.open(bucket, endpoint_url=..., ...)`` (or
+    :func:`~lmtier_backends.s3.open_tier` from a config); the constructor only stores its
+    arguments, without I/O or threads.
     ``clock`` (unix time) decides expiry; tests move it instead of sleeping.
     """
 
@@ -447,11 +448,3 @@ class S3Tier(Tier):
             state = "closed" if self._closed else "not open (use S3Tier.open)"
             raise BackendUnavailable(f"S3 tier {self.name!r} ({self.bucket}) is {state}")
         return self._pool
-
-
-async def open_tier(config: S3TierConfig) -> S3Tier:
-    """Entry point ``lmtier.backends: s3``: open the S3 tier ``config`` describes."""
-    if config.bucket is None:
-        raise ConfigError("s3.bucket is not set: the S3 tier is disabled")
-    settings = {name: getattr(config, name) for name in type(config).model_fields}
-    return await S3Tier.open(**settings)

@@ -27,8 +27,8 @@ import pytest
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import PURGE_FAILED, StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
 from lmtier_backends.disk.tier import DiskTier

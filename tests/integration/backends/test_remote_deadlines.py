@@ -22,10 +22,10 @@ from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.budget import CallBudget
 from lmtier.storage.guard import TierGuard
 from lmtier.testing import make_chunk
+from lmtier_backends.redis import open_tier as open_redis
 from lmtier_backends.redis.tier import RedisTier
-from lmtier_backends.redis.tier import open_tier as open_redis
+from lmtier_backends.s3 import open_tier as open_s3
 from lmtier_backends.s3.tier import S3Tier
-from lmtier_backends.s3.tier import open_tier as open_s3
 from support.redis_servers import RedisServer
 from support.s3_server import MotoServer, s3_credentials, s3_server  # noqa: F401
 

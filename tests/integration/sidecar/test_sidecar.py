@@ -24,7 +24,7 @@ from lmtier import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import HandleError
 from lmtier.remote.streaming import MessageSlab, ReceivedSlab
-from lmtier.storage.memory import SlabHandle
+from lmtier.storage.host_pool import SlabHandle
 from lmtier.testing.sidecar import SidecarProcess
 from support import child_env
 from support.sidecar_client import connect, digest, gauges, kv_of, prompt

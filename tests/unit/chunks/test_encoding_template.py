@@ -12,7 +12,7 @@ import torch
 from lmtier.chunks.encoding import HeaderTemplate
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import ChunkFramer, KVSpec
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 
 SPEC = KVSpec(2, 2, 8)
 KEY = ChunkKey(bytes(range(32)))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from lmtier.chunks.format import decode
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor, encode_kv_into
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier_connector.device import transfer
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import (

@@ -16,7 +16,7 @@ import torch
 from lmtier.chunks.format import decode
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor, seal_slab
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier_connector.device import page_copy, transfer
 from lmtier_connector.device.paged_kv import PagedKVCache, paged_chunk_layout
 from lmtier_connector.device.transfer import (

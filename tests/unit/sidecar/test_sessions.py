@@ -17,7 +17,7 @@ from lmtier.sidecar.namespaces import (
     parse_keys,
 )
 from lmtier.sidecar.sessions import SessionNotFound, Sessions
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.namespaces import to_wire
 

@@ -19,8 +19,8 @@ from lmtier.sidecar.server import Sidecar
 from lmtier.sidecar.sessions import Sessions
 from lmtier.sidecar.shares import Shares
 from lmtier.sidecar.transfers import clipped
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.lookup import Lookup, TierSpan
-from lmtier.storage.memory import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 
 ALICE = Principal("alice")

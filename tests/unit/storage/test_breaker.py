@@ -8,8 +8,8 @@ import pytest
 
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import DictTier, FakeClock, make_chunk
 
 

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.cpu_tier import CPUTier
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.testing import make_chunk
 from lmtier.testing.conformance import TierConformance
 

@@ -21,8 +21,8 @@ from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.pacing import TARGET_FRACTION, BatchPacer
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Buffer, Tier, TierProperties
@@ -173,7 +173,7 @@ def test_background_writes_give_a_batch_its_byte_deadline() -> None:
         try:
             for seed in range(3):
                 key, data = make_chunk(num_tokens=4, hidden=16, seed=seed)
-                handle = manager.memory.acquire_slab()
+                handle = manager.cpu_tier.acquire_slab()
                 assert handle is not None
                 handle.view[: len(data)] = data
                 manager.put(key, handle, len(data))

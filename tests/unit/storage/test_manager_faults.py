@@ -15,8 +15,8 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.blocking import run_blocking
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.pacing import INITIAL_CHUNKS, BatchPacer
 from lmtier.storage.tier import Buffer, TierProperties
 from lmtier.testing import DictTier, make_chunk
@@ -83,10 +83,10 @@ def test_a_timed_out_read_never_writes_into_a_reused_slab() -> None:
         # Every slab the pool will give out now is marked; none may be the one the
         # pending read was given.
         handles = []
-        while (handle := manager.memory.acquire_slab()) is not None:
+        while (handle := manager.cpu_tier.acquire_slab()) is not None:
             handle.view[:] = bytes([MARK]) * len(handle.view)
             handles.append(handle)
-        assert len(handles) == manager.memory.pool.num_slabs - 1  # one in quarantine
+        assert len(handles) == manager.cpu_tier.pool.num_slabs - 1  # one in quarantine
         tier.gate.set()
         await asyncio.sleep(0)
         while manager.guards["slow"].abandoned:
@@ -94,7 +94,7 @@ def test_a_timed_out_read_never_writes_into_a_reused_slab() -> None:
         for handle in handles:
             assert set(handle.view) == {MARK}, "a late read landed in a reused slab"
             handle.release()
-        assert manager.memory.pool.num_free == manager.memory.pool.num_slabs
+        assert manager.cpu_tier.pool.num_free == manager.cpu_tier.pool.num_slabs
 
     run(body)
 
@@ -103,19 +103,19 @@ def test_a_timed_out_write_keeps_its_slab_until_the_write_is_done() -> None:
     async def body(manager: StorageManager, tier: GatedTier) -> None:
         written = [make_chunk(num_tokens=4, hidden=16, seed=seed) for seed in (2, 3)]
         for key, data in written:  # two batches, each timing out in turn
-            handle = manager.memory.acquire_slab()
+            handle = manager.cpu_tier.acquire_slab()
             assert handle is not None
             handle.view[: len(data)] = data
             manager.put(key, handle, len(data))
             await manager.flush()  # the write timed out; its thread waits at the gate
         assert tier.stats.errors == 2
-        await manager.memory.delete([key for key, _ in written])
+        await manager.cpu_tier.delete([key for key, _ in written])
         # Reuse every free slab with other bytes: the pending writes' slabs are not free.
         others = []
-        while (other := manager.memory.acquire_slab()) is not None:
+        while (other := manager.cpu_tier.acquire_slab()) is not None:
             other.view[:] = bytes([MARK]) * len(other.view)
             others.append(other)
-        assert len(others) == manager.memory.pool.num_slabs - 2
+        assert len(others) == manager.cpu_tier.pool.num_slabs - 2
         tier.gate.set()
         while manager.guards["slow"].abandoned:
             await asyncio.sleep(0.01)
@@ -124,7 +124,7 @@ def test_a_timed_out_write_keeps_its_slab_until_the_write_is_done() -> None:
         for other in others:
             other.release()
         # Each write gave back its own slab once it settled (and only its own).
-        assert manager.memory.pool.num_free == manager.memory.pool.num_slabs
+        assert manager.cpu_tier.pool.num_free == manager.cpu_tier.pool.num_slabs
 
     run(body)
 
@@ -140,11 +140,11 @@ def test_load_is_cancelled_by_its_caller_and_slabs_wait_for_the_io() -> None:
         task.cancel()  # what Runtime.run does when its caller times out
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert manager.memory.pool.num_in_use == 1  # the read's slab, in quarantine
+        assert manager.cpu_tier.pool.num_in_use == 1  # the read's slab, in quarantine
         tier.gate.set()
         while manager.guards["slow"].abandoned:
             await asyncio.sleep(0.01)
-        assert manager.memory.pool.num_in_use == 0
+        assert manager.cpu_tier.pool.num_in_use == 0
 
     run(body)
 
@@ -170,13 +170,13 @@ def test_chunks_of_another_key_or_geometry_are_never_served() -> None:
             assert key not in remote.data  # deleted
         assert remote.stats.corrupt == 2
         # The CPU tier is checked as well: a slab changed behind its back is caught.
-        handle = manager.memory.share(good_key)
+        handle = manager.cpu_tier.share(good_key)
         assert handle is not None
         handle[0].view[: len(other)] = other
         handle[0].release()
         # A load without a lookup goes on to the next tier: the remote copy is served.
         (again,) = await manager.get([good_key])
-        assert (again.tier, manager.memory.stats.corrupt) == ("remote", 1)
+        assert (again.tier, manager.cpu_tier.stats.corrupt) == ("remote", 1)
         again.release()
         await manager.close()
         assert pool.num_in_use == 0
@@ -192,11 +192,11 @@ def test_store_lookups_never_ask_a_remote_tier() -> None:
         hung.hang = True
         manager = StorageManager(CPUTier(pool, 4 * pool.slab_bytes), [hung])
         key, data = make_chunk(num_tokens=4, hidden=16)
-        await manager.memory.put([(key, data)])
+        await manager.cpu_tier.put([(key, data)])
         found = manager.lookup_local([key, *(make_chunk()[0] for _ in range(3))])
         assert found.num_chunks == 1
         assert "contains" not in hung.calls
-        await manager.memory.close()
+        await manager.cpu_tier.close()
         pool.close()
 
     asyncio.run(case())
@@ -226,7 +226,7 @@ def test_close_waits_for_queued_writes_only_as_long_as_it_is_told(
     async def body(manager: StorageManager, tier: GatedTier) -> None:
         for seed in range(20):  # more than a first batch (INITIAL_CHUNKS): some stay queued
             key, data = make_chunk(num_tokens=4, hidden=16, seed=10 + seed)
-            handle = manager.memory.acquire_slab()
+            handle = manager.cpu_tier.acquire_slab()
             assert handle is not None
             handle.view[: len(data)] = data
             assert manager.put(key, handle, len(data))

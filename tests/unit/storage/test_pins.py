@@ -12,7 +12,7 @@ from lmtier import KVSpec, LMTier
 from lmtier.config import LMTierConfig
 from lmtier.errors import NotSupportedError
 from lmtier.storage.cpu_tier import CPUTier
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.pins import Pins
 from lmtier.testing import make_chunk, random_key
 

@@ -16,8 +16,8 @@ from lmtier.errors import BackendUnavailable, CacheClosedError, InvalidRequestEr
 from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import PURGE_FAILED, PURGE_UNSUPPORTED, StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Buffer, Tier, TierProperties
 from lmtier.testing import DictTier, make_chunk, random_key
@@ -66,9 +66,9 @@ Body = Callable[[StorageManager, DictTier, GatedTier], Awaitable[None]]
 def run(body: Body, *, extra: Sequence[Tier] = (), **options: object) -> None:
     async def case() -> None:
         pool = HostPool(SLAB, 48)
-        memory = CPUTier(pool, 32 * pool.slab_bytes)
+        cpu_tier = CPUTier(pool, 32 * pool.slab_bytes)
         disk, remote = DictTier("disk"), GatedTier("remote")
-        manager = StorageManager(memory, [disk, remote, *extra], **options)  # type: ignore[arg-type]
+        manager = StorageManager(cpu_tier, [disk, remote, *extra], **options)  # type: ignore[arg-type]
         await manager.start()
         try:
             await body(manager, disk, remote)
@@ -201,7 +201,7 @@ def test_stores_and_promotions_during_a_purge_are_refused() -> None:
         assert put_all(manager, chunks(NS_B, 1)) == [True]
         (served,) = await manager.get(keys_of(below))  # served, but not cached again
         served.release()
-        assert manager.memory.count_prefix(keys_of(below)) == 0
+        assert manager.cpu_tier.count_prefix(keys_of(below)) == 0
         remote.purge_gate.set()
         assert await purge == {"cpu": 0, "disk": 0, "remote": 1}
         await manager.flush()
@@ -217,17 +217,17 @@ def test_a_reader_keeps_its_slab_until_it_lets_go() -> None:
         put_all(manager, items)
         await manager.flush()
         loaded = await manager.get(keys_of(items))
-        in_use = manager.memory.pool.num_in_use
+        in_use = manager.cpu_tier.pool.num_in_use
         told: list[ChunkKey] = []
         manager.add_evict_listener(told.append)
         assert (await manager.purge(NS_A))["cpu"] == 2
         assert told == keys_of(items)  # announced like evictions
-        assert manager.memory.count_prefix(keys_of(items)) == 0
-        assert manager.memory.pool.num_in_use == in_use  # the readers' slabs stay
+        assert manager.cpu_tier.count_prefix(keys_of(items)) == 0
+        assert manager.cpu_tier.pool.num_in_use == in_use  # the readers' slabs stay
         for chunk, (_, data) in zip(loaded, items, strict=True):
             assert bytes(chunk.handle.view[: len(data)]) == data
             chunk.release()
-        assert manager.memory.pool.num_in_use == 0
+        assert manager.cpu_tier.pool.num_in_use == 0
 
     run(body)
 

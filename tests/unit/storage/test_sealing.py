@@ -14,8 +14,8 @@ from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.kv_spec import ChunkFramer, frame_slab
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.storage.sealing import is_sealed
 from lmtier.storage.tier import TierProperties
 from lmtier.testing import DictTier, random_key
@@ -70,7 +70,7 @@ def test_two_tiers_share_one_sealing_and_receive_verifiable_chunks() -> None:
                 assert mac.verify(chunk)
         # Host memory sees the sealed header too (the same slab, rewritten in place).
         for key in keys:
-            shared = manager.memory.share(key)
+            shared = manager.cpu_tier.share(key)
             assert shared is not None
             assert is_sealed(shared[0].view[: shared[1]])
             shared[0].release()

@@ -11,8 +11,8 @@ import pytest
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager, TierSpan
-from lmtier.storage.memory import HostPool
 from lmtier.storage.tier import TierProperties
 from lmtier.testing import DictTier, make_chunk
 
@@ -33,10 +33,10 @@ def run(
 ) -> None:
     async def case() -> None:
         pool = HostPool(SLAB, pool_slabs)
-        memory = CPUTier(pool, cpu_slabs * pool.slab_bytes)
+        cpu_tier = CPUTier(pool, cpu_slabs * pool.slab_bytes)
         disk = DictTier("disk", lower_props)
         remote = DictTier("remote", TierProperties(shared=True))
-        manager = StorageManager(memory, [disk, remote], call_timeout_s=timeout_s)
+        manager = StorageManager(cpu_tier, [disk, remote], call_timeout_s=timeout_s)
         await manager.start()
         try:
             await body(manager, disk, remote)
@@ -50,7 +50,7 @@ def run(
 
 async def put_all(manager: StorageManager, items: list[tuple[ChunkKey, bytes]]) -> None:
     for key, data in items:
-        handle = manager.memory.acquire_slab()
+        handle = manager.cpu_tier.acquire_slab()
         assert handle is not None
         handle.view[: len(data)] = data
         manager.put(key, handle, len(data))
@@ -60,7 +60,7 @@ def test_waterfall_asks_each_tier_only_about_the_rest() -> None:
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         items = chunks(6)
         keys = [k for k, _ in items]
-        await manager.memory.put(items[:2])
+        await manager.cpu_tier.put(items[:2])
         disk.data.update(items[2:4])
         remote.data.update(items[4:5])
         found = await manager.lookup(keys)
@@ -81,7 +81,7 @@ def test_waterfall_asks_each_tier_only_about_the_rest() -> None:
 def test_full_memory_hit_asks_no_lower_tier() -> None:
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         items = chunks(3)
-        await manager.memory.put(items)
+        await manager.cpu_tier.put(items)
         assert (await manager.lookup([k for k, _ in items])).num_chunks == 3
         assert disk.calls == {} and remote.calls == {}
 
@@ -92,7 +92,7 @@ def test_get_promotes_to_memory_and_to_tiers_above_the_source() -> None:
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         items = chunks(4)
         keys = [k for k, _ in items]
-        await manager.memory.put(items[:1])
+        await manager.cpu_tier.put(items[:1])
         remote.data.update(items[1:])
         loaded = await manager.get(keys)
         assert [c.key for c in loaded] == keys
@@ -102,7 +102,7 @@ def test_get_promotes_to_memory_and_to_tiers_above_the_source() -> None:
             assert chunk.chunk.meta.namespace + chunk.chunk.meta.key == chunk.key
             chunk.release()
         await manager.flush()
-        assert manager.memory.count_prefix(keys) == 4
+        assert manager.cpu_tier.count_prefix(keys) == 4
         assert set(disk.data) == set(keys[1:])  # promoted down the waterfall's upper part
 
     run(body)
@@ -112,7 +112,7 @@ def test_put_writes_through_in_the_background() -> None:
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         items = chunks(5)
         await put_all(manager, items)
-        assert manager.memory.count_prefix([k for k, _ in items]) == 5
+        assert manager.cpu_tier.count_prefix([k for k, _ in items]) == 5
         await manager.flush()
         assert disk.data == dict(items)
         assert remote.data == dict(items)
@@ -128,7 +128,7 @@ def test_a_chunk_put_again_while_cached_is_not_written_again() -> None:
         await put_all(manager, items)  # a store that did not skip what is cached
         await manager.flush()
         assert (disk.stats.puts, remote.stats.puts) == (3, 3)
-        assert manager.memory.stats.puts == 3
+        assert manager.cpu_tier.stats.puts == 3
 
     run(body)
 
@@ -237,7 +237,7 @@ def test_lookup_now_answers_only_from_in_memory_indexes() -> None:
     async def body(manager: StorageManager, disk: DictTier, remote: DictTier) -> None:
         items = chunks(3)
         keys = [k for k, _ in items]
-        await manager.memory.put(items)
+        await manager.cpu_tier.put(items)
         assert manager.lookup_now(keys) == await manager.lookup(keys)  # memory answers all
         assert disk.calls == {}
         # A tier without an in-memory index must be asked asynchronously: no answer now.
@@ -287,7 +287,7 @@ def test_a_raising_evict_listener_never_breaks_eviction(caplog: pytest.LogCaptur
             await put_all(manager, items)
         keys = [k for k, _ in items]
         assert seen == keys[:2]
-        assert manager.memory.count_prefix(keys[2:]) == 4
+        assert manager.cpu_tier.count_prefix(keys[2:]) == 4
         await manager.flush()
         assert sorted(disk.data) == sorted(keys[:2])  # write-back unaffected
         assert sum("listener" in r.getMessage() for r in caplog.records) == 2

@@ -12,7 +12,7 @@ import pytest
 
 from lmtier.errors import HandleError
 from lmtier.remote.streaming import MessageSlab, ReceivedSlab, in_messages
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.pieces import (
     PIECE_BYTES,

@@ -25,7 +25,7 @@ from lmtier.sidecar.auth import Authenticator
 from lmtier.sidecar.metrics import SidecarMetrics
 from lmtier.sidecar.peer import PeerServer
 from lmtier.storage.cpu_tier import CPUTier
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.testing import make_chunk, random_key
@@ -47,7 +47,7 @@ class Node:
 
     def __init__(self, url: str, *, secret: str = TOKEN, tls: TrustFiles | None = None) -> None:
         self.url, self.secret, self.tls = url, secret, tls
-        self.memory = CPUTier(HostPool(SLAB, 256, pin=False))
+        self.cpu_tier = CPUTier(HostPool(SLAB, 256, pin=False))
         self.lock = threading.RLock()
         self.server: PeerServer | None = None
         self.tier: PeerTier | None = None
@@ -63,7 +63,7 @@ class Node:
         config = LMTierConfig(peer=peer, sidecar={"auth_token": SIDECAR_TOKEN})
         auth = Authenticator.from_config(config.sidecar)
         self.server = PeerServer(
-            config, auth, SidecarMetrics(), HostView(self.memory, self.lock, self.sealer)
+            config, auth, SidecarMetrics(), HostView(self.cpu_tier, self.lock, self.sealer)
         )
         node = await self.server.start()
         self.tier = PeerTier(
@@ -82,8 +82,8 @@ class Node:
         if self.server is not None:
             await self.server.stop(None)
         self.sealer.close()
-        await self.memory.close()
-        self.memory.pool.close()
+        await self.cpu_tier.close()
+        self.cpu_tier.pool.close()
 
 
 class ServedPeerTier(PeerTier):
@@ -135,7 +135,7 @@ def test_a_node_reads_what_another_holds_bit_exact(redis_server: RedisServer) ->
         try:
             chunks = [make_chunk(seed=i) for i in range(6)]
             with a.lock:
-                assert await a.memory.put(chunks) == 6  # stored by A's engine, not the tier
+                assert await a.cpu_tier.put(chunks) == 6  # stored by A's engine, not the tier
             keys = [key for key, _ in chunks]
 
             async def published() -> bool:
@@ -149,7 +149,7 @@ def test_a_node_reads_what_another_holds_bit_exact(redis_server: RedisServer) ->
                 assert bytes(buffer[: len(data)]) == data
             # A evicts one: the directory forgets it at A's next round
             with a.lock:
-                a.memory.discard([keys[2]])
+                a.cpu_tier.discard([keys[2]])
 
             async def withdrawn() -> bool:
                 return await tier_b.contains(keys) == 2
@@ -184,7 +184,7 @@ def test_a_chunk_not_yet_written_down_is_sealed_and_served(redis_server: RedisSe
             chunks = [make_chunk(seed=i) for i in range(4)]
             keys = [key for key, _ in chunks]
             with a.lock:
-                assert await a.memory.put([(k, unsealed(k, c)) for k, c in chunks]) == 4
+                assert await a.cpu_tier.put([(k, unsealed(k, c)) for k, c in chunks]) == 4
 
             async def published() -> bool:
                 return await tier_b.contains(keys) == 4
@@ -259,7 +259,7 @@ def test_a_peer_that_evicted_a_chunk_is_not_counted(redis_server: RedisServer) -
             keys = [key for key, _ in chunks]
             assert await tier_b.contains(keys) == 4
             with a.lock:
-                a.memory.discard([keys[2]])
+                a.cpu_tier.discard([keys[2]])
             assert len(await tier_b.directory.lookup(keys)) == 4  # still named
             assert await tier_b.contains(keys) == 2
         finally:
@@ -369,13 +369,13 @@ def test_a_dead_directory_is_a_backend_error_then_heals(tmp_path) -> None:  # ty
 
 def _server(peer: dict[str, object], sidecar: dict[str, object] | None = None) -> None:
     config = LMTierConfig(peer={"enabled": True, **peer}, sidecar=sidecar or {})
-    memory = CPUTier(HostPool(SLAB, 4, pin=False))
+    cpu_tier = CPUTier(HostPool(SLAB, 4, pin=False))
     try:
         auth = Authenticator.from_config(config.sidecar)
 
         async def start() -> None:
             server = PeerServer(
-                config, auth, SidecarMetrics(), HostView(memory, threading.RLock(), Sealer())
+                config, auth, SidecarMetrics(), HostView(cpu_tier, threading.RLock(), Sealer())
             )
             try:
                 await server.start()
@@ -384,7 +384,7 @@ def _server(peer: dict[str, object], sidecar: dict[str, object] | None = None) -
 
         asyncio.run(start())
     finally:
-        memory.pool.close()
+        cpu_tier.pool.close()
 
 
 def test_a_listener_needs_a_node_secret_of_its_own() -> None:

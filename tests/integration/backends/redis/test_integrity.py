@@ -16,7 +16,7 @@ from lmtier.chunks.integrity import ChunkMac
 from lmtier.config import CPUTierConfig, DiskTierConfig, IntegrityConfig, RedisTierConfig
 from lmtier.errors import ConfigError
 from lmtier.kv_spec import encode_kv_into
-from lmtier.storage.memory import HostPool
+from lmtier.storage.host_pool import HostPool
 from support.redis_servers import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -24,11 +24,12 @@ from lmtier.config.secrets import SecretURL
 from lmtier.errors import BackendTimeout, BackendUnavailable, ConfigError
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
-from lmtier_backends.redis.tier import RedisTier, open_tier
+from lmtier_backends.redis import open_tier
+from lmtier_backends.redis.tier import RedisTier
 from lmtier_backends.redis.wire import ZeroCopyConnection, ZeroCopyUnixConnection
 from support.redis_servers import RedisClusterProcesses, RedisServer, free_port
 
@@ -484,7 +485,7 @@ def test_faults_are_misses_and_the_breaker_recovers(tmp_path: Path) -> None:
             async def workload() -> None:
                 for round_ in range(30):
                     key, data = make_chunk(seed=round_)
-                    handle = manager.memory.acquire_slab()
+                    handle = manager.cpu_tier.acquire_slab()
                     assert handle is not None
                     handle.view[: len(data)] = data
                     manager.put(key, handle, len(data))
@@ -492,7 +493,7 @@ def test_faults_are_misses_and_the_breaker_recovers(tmp_path: Path) -> None:
                     assert elapsed < SLOW_S, f"lookup took {elapsed:.3f} s"
                     for chunk in await manager.get(keys):
                         chunk.release()
-                    await manager.memory.delete(keys)
+                    await manager.cpu_tier.delete(keys)
                     await asyncio.sleep(0.01)
 
             work = asyncio.create_task(workload())
@@ -507,7 +508,7 @@ def test_faults_are_misses_and_the_breaker_recovers(tmp_path: Path) -> None:
             await wait_for_breaker(manager, keys, "closed")
             fresh = [make_chunk() for _ in range(3)]
             for key, data in fresh:
-                handle = manager.memory.acquire_slab()
+                handle = manager.cpu_tier.acquire_slab()
                 assert handle is not None
                 handle.view[: len(data)] = data
                 manager.put(key, handle, len(data))

@@ -25,12 +25,13 @@ from lmtier.config.secrets import Secret
 from lmtier.errors import BackendError, BackendUnavailable, ConfigError
 from lmtier.storage.breaker import BreakerState, CircuitBreaker
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
-from lmtier.storage.memory import HostPool
 from lmtier.testing import make_chunk, random_key
 from lmtier.testing.conformance import TierConformance
+from lmtier_backends.s3 import open_tier
 from lmtier_backends.s3.io import SCAN_AHEAD_WINDOWS
-from lmtier_backends.s3.tier import S3Tier, open_tier, read_body_into
+from lmtier_backends.s3.tier import S3Tier, read_body_into
 from support.s3_server import (  # noqa: F401 - fixtures
     MotoServer,
     dummy_credentials,
@@ -426,7 +427,7 @@ async def manager_on(tier: S3Tier) -> StorageManager:
 
 async def put_through(manager: StorageManager, items: list[tuple[ChunkKey, bytes]]) -> None:
     for key, data in items:
-        handle = manager.memory.acquire_slab()
+        handle = manager.cpu_tier.acquire_slab()
         assert handle is not None
         handle.view[: len(data)] = data
         manager.put(key, handle, len(data))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lmtier.errors import CapacityError, HandleError
-from lmtier.storage.memory import HostPool, SlabHandle
+from lmtier.storage.host_pool import HostPool, SlabHandle
 
 
 def address(view: memoryview) -> int:
@@ -207,7 +207,7 @@ def test_close_reports_leaks_and_handles_fail_afterwards(caplog: pytest.LogCaptu
     pool = HostPool(64, 4, pin=False)
     leaked = pool.acquire_many(2)
     assert leaked is not None
-    with caplog.at_level(logging.WARNING, logger="lmtier.storage.memory"):
+    with caplog.at_level(logging.WARNING, logger="lmtier.storage.host_pool"):
         pool.close()
         pool.close()  # idempotent, and reports once
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -230,7 +230,7 @@ def test_close_without_leaks_is_silent(caplog: pytest.LogCaptureFixture) -> None
     pool = HostPool(64, 2, pin=False)
     with pool.acquire() as _:  # type: ignore[union-attr]
         pass
-    with caplog.at_level(logging.WARNING, logger="lmtier.storage.memory"):
+    with caplog.at_level(logging.WARNING, logger="lmtier.storage.host_pool"):
         pool.close()
     assert not caplog.records
 
