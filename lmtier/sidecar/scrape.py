@@ -112,6 +112,10 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+POLL_S = 0.05
+"""How often the serving thread looks for a shutdown, in seconds."""
+
+
 class MetricsServer:
     """A running ``/metrics`` endpoint: its :attr:`port`, and :meth:`close`."""
 
@@ -138,6 +142,10 @@ def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> MetricsS
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = _Server6 if family == socket.AF_INET6 else _Server
     server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_Handler)
-    thread = threading.Thread(target=server.serve_forever, name="lmtier-metrics", daemon=True)
+    # shutdown() waits for serve_forever's next poll: 0.5 s by default, on every close
+    # of a sidecar (and every test's); a 50 ms select costs nothing while idle.
+    thread = threading.Thread(
+        target=server.serve_forever, args=(POLL_S,), name="lmtier-metrics", daemon=True
+    )
     thread.start()
     return MetricsServer(server, thread)

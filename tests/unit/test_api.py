@@ -14,12 +14,15 @@ from lmtier.errors import CacheClosedError, InvalidTokensError
 
 CHUNK = 32
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
+STAGING = 8 << 20
+"""Staging slabs: enough for the tests' loads, and a pool touched at open in a blink
+(the default 256 MiB took most of a test's time)."""
 
 
 def config(cpu_bytes: int = 8 << 20) -> LMTierConfig:
     return LMTierConfig(
         chunk_size=CHUNK,
-        cpu=CPUTierConfig(capacity_bytes=cpu_bytes),
+        cpu=CPUTierConfig(capacity_bytes=cpu_bytes, staging_bytes=STAGING),
         disk=DiskTierConfig(enabled=False),
     )
 

@@ -13,7 +13,7 @@ from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.chunks.hashers import chunk_keys
 from lmtier.chunks.keys import Namespace
 from lmtier.cli import main
-from lmtier.config import DiskTierConfig
+from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.extras import missing_extra
 
 
@@ -112,7 +112,11 @@ def test_chunk_size_is_checked_as_the_config_checks_it() -> None:
 
 def test_keys_for_a_geometry_are_the_keys_a_cache_of_it_uses() -> None:
     spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=8, dtype="bfloat16")
-    config = LMTierConfig(chunk_size=16, disk=DiskTierConfig(enabled=False))
+    config = LMTierConfig(  # a small CPU tier: the default 4 GiB is touched at open
+        chunk_size=16,
+        cpu=CPUTierConfig(capacity_bytes=1 << 20, staging_bytes=1 << 20),
+        disk=DiskTierConfig(enabled=False),
+    )
     tokens = list(range(50))
     args = ["keys", "--chunk-size", "16", "--model-id", "m", "--cache-salt", "t"]
     args += ["--num-layers", "2", "--num-kv-heads", "4", "--head-dim", "8"]

@@ -81,7 +81,9 @@ def test_check_kv_takes_one_paged_tensor_and_refuses_per_layer_pairs() -> None:
 @pytest.mark.parametrize("spec", [HND, NHD], ids=["LBHSC", "LBSHC"])
 def test_store_and_load_through_the_facade(spec: KVSpec) -> None:
     config = LMTierConfig(
-        chunk_size=16, cpu=CPUTierConfig(capacity_bytes=1 << 20), disk=DiskTierConfig(enabled=False)
+        chunk_size=16,
+        cpu=CPUTierConfig(capacity_bytes=1 << 20, staging_bytes=1 << 20),
+        disk=DiskTierConfig(enabled=False),
     )
     kv = torch.randn(spec.shape(40), generator=torch.Generator().manual_seed(1)).half()
     prompt = list(range(45))

@@ -34,7 +34,7 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 def config() -> LMTierConfig:
     return LMTierConfig(
         chunk_size=CHUNK,
-        cpu=CPUTierConfig(capacity_bytes=4 << 20),
+        cpu=CPUTierConfig(capacity_bytes=4 << 20, staging_bytes=8 << 20),
         disk=DiskTierConfig(enabled=False),
     )
 

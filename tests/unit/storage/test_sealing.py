@@ -32,7 +32,7 @@ def kv_of(chunks: int, seed: int = 0) -> torch.Tensor:
 def test_store_frames_unsealed_and_host_memory_serves_it() -> None:
     config = LMTierConfig(
         chunk_size=CHUNK,
-        cpu=CPUTierConfig(capacity_bytes=1 << 20),
+        cpu=CPUTierConfig(capacity_bytes=1 << 20, staging_bytes=8 << 20),
         disk=DiskTierConfig(enabled=False),
     )
     prompt, kv = list(range(3 * CHUNK)), kv_of(3)

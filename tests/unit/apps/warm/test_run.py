@@ -88,7 +88,7 @@ class Recorder:
 def cache() -> Iterator[LMTier]:
     config = LMTierConfig(
         chunk_size=CHUNK,
-        cpu=CPUTierConfig(capacity_bytes=1 << 20),
+        cpu=CPUTierConfig(capacity_bytes=1 << 20, staging_bytes=8 << 20),
         disk=DiskTierConfig(enabled=False),
     )
     with LMTier.open(config, kv=SPEC, model_id="m") as opened:
