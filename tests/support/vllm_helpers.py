@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -63,7 +63,7 @@ class Geometry:
     kv_heads: int = 2
     head_dim: int = 16
     block_size: int = 16
-    dtype: str = "float32"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     max_model_len: int = 4096
     max_num_seqs: int = 8
     vocab_size: int = 1000
