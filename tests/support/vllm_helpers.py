@@ -103,12 +103,12 @@ class Geometry:
 
 
 GEOMETRY = Geometry()
-"""The tests' model; the constants below are its values."""
+"""The tests' model (LAYERS to PAGE below are its values)."""
 LAYERS, HEADS, HEAD_DIM = GEOMETRY.layers, GEOMETRY.kv_heads, GEOMETRY.head_dim
 BLOCK = GEOMETRY.block_size
-NUM_BLOCKS, CHUNK = 128, 64
 NAMES = GEOMETRY.names
 PAGE = GEOMETRY.page_bytes  # one layer's block, fp32, K and V
+NUM_BLOCKS, CHUNK = 128, 64  # the tests' vLLM blocks and lmtier chunk size
 PREFIX = [(i * 37 + 11) % 1000 for i in range(300)]
 
 
