@@ -2,11 +2,13 @@
 with a 32k-token hit on disk costs the requests already running.
 
 vLLM's real Scheduler, our connector (both halves, one process), real per-layer KV
-tensors from vLLM's ``allocate_kv_cache``, and a stand-in forward pass (a fixed
-matmul per layer, calibrated to ~2 ms a layer, so a step costs what a small decode
-step costs). A writer engine computes the 32k-token prompt and stores its chunks on
-the disk tier; then, for each mode, a fresh reader engine (its own, empty CPU tier)
-runs eight decoding requests and admits a request whose whole prompt hits on disk:
+tensors from vLLM's ``allocate_kv_cache`` (the tests' scheduler harness,
+``tests/support/vllm_helpers.py``, with this benchmark's :data:`GEOMETRY`), and a
+stand-in forward pass (a fixed matmul per layer, calibrated to ~2 ms a layer, so a
+step costs what a small decode step costs). A writer engine computes the 32k-token
+prompt and stores its chunks on the disk tier; then, for each mode, a fresh reader
+engine (its own, empty CPU tier) runs eight decoding requests and admits a request
+whose whole prompt hits on disk:
 
 * ``baseline``: the median step while the eight decode and nothing is admitted;
 * ``sync`` (``async_loads: never``): the load runs inside the step that admits the
@@ -23,8 +25,8 @@ connector.
 
 from __future__ import annotations
 
-import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -33,40 +35,31 @@ from typing import Any
 
 import torch
 
+# The vLLM scheduler harness is the tests' (tests/support/vllm_helpers.py): benchmarks
+# run from a checkout, so put its tests/ folder on the path, as pytest's pythonpath does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.worker.utils import allocate_kv_cache
 
-    from lmtier_connector.vllm.connector import LMTierConnector
+    from support.vllm_helpers import Engine, Geometry, make_vllm_config, write_model_dir
 
 __all__ = ["step_bench"]
 
-LAYERS, HEADS, DIM, BLOCK, CHUNK = 2, 8, 128, 16, 256
 RUNNING = 8
+GEOMETRY = Geometry(
+    kv_heads=8,
+    head_dim=128,
+    dtype="float16",
+    max_model_len=65536,
+    max_num_seqs=RUNNING + 2,
+    vocab_size=32000,
+)
+"""Two layers of a Llama-8B-like rank (8 KV heads of 128, fp16), 64k tokens long."""
+LAYERS, HEADS, DIM = GEOMETRY.layers, GEOMETRY.kv_heads, GEOMETRY.head_dim
+BLOCK = GEOMETRY.block_size
+CHUNK = 256
 SCHEDULER_CALLS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -109,149 +102,37 @@ class _Clock:
         return seconds
 
 
-def _model_dir(root: Path) -> Path:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 2 * HEADS * DIM,
-        "intermediate_size": 256,
-        "num_attention_heads": 2 * HEADS,
-        "num_key_value_heads": HEADS,
-        "head_dim": DIM,
-        "num_hidden_layers": LAYERS,
-        "vocab_size": 32000,
-        "max_position_embeddings": 65536,
-        "torch_dtype": "float16",
-    }
-    (root / "config.json").write_text(json.dumps(config))
-    return root
-
-
-class _Engine:
-    """Scheduler + worker connector + KV tensors + the stand-in forward pass."""
+class _Engine(Engine):
+    """The harness's engine (Scheduler + worker connector + KV tensors) with the
+    connector's methods timed and the stand-in forward pass."""
 
     def __init__(
         self, model: Path, extra: dict[str, Any], num_blocks: int, batch: int, work: torch.Tensor
     ) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-            cache.num_gpu_blocks = num_blocks
-            config = VllmConfig(
-                model_config=ModelConfig(
-                    model=str(model),
-                    tokenizer=str(model),
-                    skip_tokenizer_init=True,
-                    dtype="float16",
-                    max_model_len=65536,
-                ),
-                cache_config=cache,
-                scheduler_config=SchedulerConfig(
-                    max_num_seqs=RUNNING + 2,
-                    max_num_batched_tokens=batch,
-                    max_model_len=65536,
-                    is_encoder_decoder=False,
-                ),
-                kv_transfer_config=KVTransferConfig(
-                    kv_connector="LMTierConnector",
-                    kv_connector_module_path="lmtier_connector.vllm",
-                    kv_role="kv_both",
-                    kv_connector_extra_config=extra,
-                    kv_load_failure_policy="recompute",
-                ),
-                device_config=DeviceConfig("cpu"),
-            )
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        page = 2 * HEADS * BLOCK * DIM * 2
-        layout = KVCacheLayout.BLHNC
-        kv_config = KVCacheConfig(
+        config = make_vllm_config(
+            model,
+            extra,
+            max_batched_tokens=batch,
             num_blocks=num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(
-                    size=page * num_blocks * LAYERS,
-                    layers=names,
-                    layer_stride=page,
-                    block_stride=page * LAYERS,
-                )
-            ],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    names,
-                    FullAttentionSpec(
-                        block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16
-                    ),
-                )
-            ],
+            geometry=GEOMETRY,
+            lookup_wait_ms=None,  # the connector's default, as a server runs it
         )
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=kv_config,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK,
-        )
-        self.worker = LMTierConnector(config, KVConnectorRole.WORKER, kv_config)
-        self.kv = allocate_kv_cache(kv_config, torch.device("cpu"), layout)
-        self.worker.register_kv_caches(self.kv)
-        self.names = names
+        super().__init__(config, geometry=GEOMETRY)
         self.work = work
         self.clock = _Clock()
         self.clock.wrap(self.worker, WORKER_CALLS)
-        if self.scheduler.connector is not None:
-            self.clock.wrap(self.scheduler.connector, SCHEDULER_CALLS)
-        init_none_hash(sha256_cbor)
-        self.hasher = get_request_block_hasher(BLOCK, sha256_cbor)
+        self.clock.wrap(self.connector, SCHEDULER_CALLS)
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(req_id, tokens, params, None, block_hasher=self.hasher)
-        self.scheduler.add_request(request)
+    def _forward(self, out: SchedulerOutput, layer: int) -> None:
+        if out.total_num_scheduled_tokens:
+            torch.mm(self.work, self.work)
 
-    def step(self) -> tuple[SchedulerOutput, float]:
+    def timed_step(self) -> tuple[SchedulerOutput, float]:
         """One engine step (schedule, connector around the forward pass, output back);
         its wall time in seconds."""
         started = time.perf_counter()
-        out = self.scheduler.schedule()
-        worker = self.worker
-        worker.bind_connector_metadata(out.kv_connector_metadata)
-        if out.has_sync_kv_loads:
-            worker.start_load_kv(None)  # type: ignore[arg-type]
-        for name in self.names:
-            worker.wait_for_layer_load(name)
-            if out.total_num_scheduled_tokens:
-                torch.mm(self.work, self.work)
-            worker.save_kv_layer(name, self.kv[name], None)  # type: ignore[arg-type]
-        if not out.has_sync_kv_loads:
-            worker.start_load_kv(None)  # type: ignore[arg-type]
-        worker.wait_for_save()
-        sending, receiving = worker.get_finished(out.finished_req_ids)
-        kv_output = KVConnectorOutput(
-            finished_sending=sending,
-            finished_recving=receiving,
-            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-        )
-        worker.clear_connector_metadata()
-        req_ids = list(out.num_scheduled_tokens)
-        requests = self.scheduler.requests
-        sampled = [
-            [7] if requests[r].num_computed_tokens >= requests[r].num_tokens else []
-            for r in req_ids
-        ]
-        self.scheduler.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=kv_output,
-            ),
-        )
+        out, _ = self.run_step(forward=self._forward)
         return out, time.perf_counter() - started
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        connector = self.scheduler.connector
-        if connector is not None:
-            connector.shutdown()
 
 
 def _calibrated_work() -> torch.Tensor:
@@ -276,19 +157,20 @@ def _mode(
     engine = _Engine(model, extra, num_blocks, 4096, work)
     try:
         for index in range(RUNNING):
-            engine.add(f"run{index}", [(index * 31 + t) % 32000 for t in range(100)], 10_000)
+            tokens = [(index * 31 + t) % 32000 for t in range(100)]
+            engine.add(f"run{index}", tokens, 10_000, ignore_eos=True)
         for _ in range(3):
-            engine.step()  # the eight prefill, then decode
-        baseline = statistics.median(engine.step()[1] for _ in range(decode))
+            engine.timed_step()  # the eight prefill, then decode
+        baseline = statistics.median(engine.timed_step()[1] for _ in range(decode))
         prompt = _prompt(hit)
-        engine.add("hit", [*prompt, 5], 4)
+        engine.add("hit", [*prompt, 5], 4, ignore_eos=True)
         engine.clock.take()
         started = time.perf_counter()
-        out, admitting = engine.step()
+        out, admitting = engine.timed_step()
         connector = engine.clock.take()
         steps = [admitting]
         while "hit" not in out.num_scheduled_tokens:
-            out, seconds = engine.step()
+            out, seconds = engine.timed_step()
             steps.append(seconds)
             if len(steps) > 10_000:
                 raise RuntimeError("the request with the hit was never scheduled")
@@ -326,7 +208,7 @@ def step_bench(hit: int = 32768, decode: int = 20) -> dict[str, Any]:
     decoding, with synchronous and with asynchronous loads (module docstring)."""
     work = _calibrated_work()
     with tempfile.TemporaryDirectory(prefix="lmtier-step-") as root:
-        model = _model_dir(Path(root))
+        model = write_model_dir(Path(root), geometry=GEOMETRY)
         disk = Path(root) / "disk"
         writer = _Engine(
             model,
@@ -336,8 +218,8 @@ def step_bench(hit: int = 32768, decode: int = 20) -> dict[str, Any]:
             work,
         )
         try:
-            writer.add("w", [*_prompt(hit), 5], 1)
-            writer.step()
+            writer.add("w", [*_prompt(hit), 5], 1, ignore_eos=True)
+            writer.timed_step()
             writer.worker._work()._writer.submit(lambda: None).result()
             writer.worker.lmtier.flush()
         finally:

@@ -1,8 +1,11 @@
-"""Helpers shared by the vLLM connector tests: a tiny model directory, vLLM configs
-and KV cache configs, a real Scheduler, and one worker step around a fake forward pass
-that writes deterministic KV (:func:`expected_kv`). Import it only once vLLM is known
-to be installed (the test modules skip first); ``tests/conftest.py`` sets the
-environment vLLM needs on a CPU machine before any test module imports vLLM.
+"""vLLM's scheduler harness, shared by the vLLM connector tests and
+``benchmarks/vllm_step.py``: a tiny model directory, vLLM configs and KV cache configs,
+a real Scheduler, and one worker step around a forward pass (by default a fake one that
+writes deterministic KV, :func:`expected_kv`). What the model is (:class:`Geometry`)
+defaults to the tests' tiny fp32 Llama; the benchmark passes its own. Import it only
+once vLLM is known to be installed (the test modules skip first); ``tests/conftest.py``
+(and the benchmark, for itself) sets the environment vLLM needs on a CPU machine before
+vLLM is imported.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -47,31 +51,76 @@ with warnings.catch_warnings():
     from lmtier_connector.vllm.common import LMTierConnectorMetadata
     from lmtier_connector.vllm.connector import LMTierConnector
 
-LAYERS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, CHUNK = 2, 2, 16, 16, 128, 64
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-PAGE = 2 * HEADS * BLOCK * HEAD_DIM * 4  # one layer's block, fp32, K and V
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the harness's model is: its KV geometry (layers, KV heads, head size, vLLM
+    block size), dtype, ``max_model_len`` (also the model's ``max_position_embeddings``),
+    the scheduler's ``max_num_seqs`` and the vocabulary. The defaults are the tests'
+    tiny fp32 Llama (:data:`GEOMETRY`)."""
+
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    block_size: int = 16
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    vocab_size: int = 1000
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def names(self) -> list[str]:
+        """The attention layers' names, as vLLM names a Llama's."""
+        return [f"model.layers.{i}.self_attn.attn" for i in range(self.layers)]
+
+    @property
+    def page_bytes(self) -> int:
+        """One layer's block, K and V."""
+        return 2 * self.kv_heads * self.block_size * self.head_dim * self.torch_dtype.itemsize
+
+    def model_config(self) -> dict[str, Any]:
+        """A Llama ``config.json`` of this geometry (no weights: vLLM only reads it)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.kv_heads * 2 * self.head_dim,
+            "intermediate_size": 128,
+            "num_attention_heads": self.kv_heads * 2,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": self.layers,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_model_len,
+            "rms_norm_eps": 1e-5,
+            "torch_dtype": self.dtype,
+        }
+
+
+GEOMETRY = Geometry()
+"""The tests' model (LAYERS to PAGE below are its values)."""
+LAYERS, HEADS, HEAD_DIM = GEOMETRY.layers, GEOMETRY.kv_heads, GEOMETRY.head_dim
+BLOCK = GEOMETRY.block_size
+NAMES = GEOMETRY.names
+PAGE = GEOMETRY.page_bytes  # one layer's block, fp32, K and V
+NUM_BLOCKS, CHUNK = 128, 64  # the tests' vLLM blocks and lmtier chunk size
 PREFIX = [(i * 37 + 11) % 1000 for i in range(300)]
 
-TINY_LLAMA: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": HEADS * 2 * HEAD_DIM,
-    "intermediate_size": 128,
-    "num_attention_heads": HEADS * 2,
-    "num_key_value_heads": HEADS,
-    "head_dim": HEAD_DIM,
-    "num_hidden_layers": LAYERS,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-}
 
-
-def write_model_dir(path: Path, config: dict[str, Any] | None = None) -> Path:
-    """A local model directory holding only ``config.json`` (default: a tiny Llama)."""
+def write_model_dir(
+    path: Path, config: dict[str, Any] | None = None, geometry: Geometry = GEOMETRY
+) -> Path:
+    """A local model directory holding only ``config.json`` (default: ``geometry``'s
+    Llama, a tiny one)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA if config is None else config))
+    (path / "config.json").write_text(
+        json.dumps(geometry.model_config() if config is None else config)
+    )
     return path
 
 
@@ -98,32 +147,38 @@ def make_vllm_config(
     *,
     max_batched_tokens: int = 4096,
     num_blocks: int = NUM_BLOCKS,
+    geometry: Geometry = GEOMETRY,
+    lookup_wait_ms: float | None = LOOKUP_WAIT_MS,
 ) -> VllmConfig:
+    """vLLM's config for ``geometry``'s model in ``model_dir``, on the CPU, with our
+    connector (``extra``: its ``kv_connector_extra_config``). ``lookup_wait_ms`` (None:
+    the connector's default) unless ``extra`` sets it."""
+    waits = {} if lookup_wait_ms is None else {"lookup_wait_ms": lookup_wait_ms}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = ModelConfig(
             model=str(model_dir),
             tokenizer=str(model_dir),
             skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=4096,
+            dtype=geometry.dtype,
+            max_model_len=geometry.max_model_len,
         )
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+        cache = CacheConfig(block_size=geometry.block_size, enable_prefix_caching=True)
         cache.num_gpu_blocks = num_blocks
         return VllmConfig(
             model_config=model,
             cache_config=cache,
             scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
+                max_num_seqs=geometry.max_num_seqs,
                 max_num_batched_tokens=max_batched_tokens,
-                max_model_len=4096,
+                max_model_len=geometry.max_model_len,
                 is_encoder_decoder=False,
             ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="LMTierConnector",
                 kv_connector_module_path="lmtier_connector.vllm",
                 kv_role="kv_both",
-                kv_connector_extra_config={"lookup_wait_ms": LOOKUP_WAIT_MS, **extra},
+                kv_connector_extra_config={**waits, **extra},
                 # What lmtier's docs advise: a chunk that fails to load is recomputed
                 # (vLLM's default, "fail", fails the request instead).
                 kv_load_failure_policy="recompute",
@@ -132,22 +187,29 @@ def make_vllm_config(
         )
 
 
-def kv_cache_config(layout: KVCacheLayout, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+def kv_cache_config(
+    layout: KVCacheLayout, num_blocks: int = NUM_BLOCKS, geometry: Geometry = GEOMETRY
+) -> KVCacheConfig:
     """One KV buffer for every layer in ``layout``, with the strides vLLM computes."""
     spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+        block_size=geometry.block_size,
+        num_kv_heads=geometry.kv_heads,
+        head_size=geometry.head_dim,
+        dtype=geometry.torch_dtype,
     )
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, LAYERS, layout)
+    layers = geometry.layers
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, layout)
+    names = geometry.names
     tensor = KVCacheTensor(
-        size=PAGE * num_blocks * LAYERS,
-        layers=list(NAMES),
+        size=geometry.page_bytes * num_blocks * layers,
+        layers=list(names),
         layer_stride=layer_stride,
         block_stride=block_stride,
     )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(list(NAMES), spec)],
+        kv_cache_groups=[KVCacheGroupSpec(list(names), spec)],
     )
 
 
@@ -157,20 +219,26 @@ def make_scheduler(vllm_config: VllmConfig, config: KVCacheConfig) -> Scheduler:
         vllm_config=vllm_config,
         kv_cache_config=config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
+        block_size=vllm_config.cache_config.block_size,
     )
 
 
-def block_hasher() -> Callable[[Request], list[Any]]:
+def block_hasher(block_size: int = BLOCK) -> Callable[[Request], list[Any]]:
     """vLLM's request block hasher (sha256 over CBOR, as vLLM's default)."""
     init_none_hash(sha256_cbor)
-    return get_request_block_hasher(BLOCK, sha256_cbor)
+    return get_request_block_hasher(block_size, sha256_cbor)
 
 
 def make_request(
-    req_id: str, tokens: list[int], hasher: Callable[[Request], list[Any]], max_tokens: int = 4
+    req_id: str,
+    tokens: list[int],
+    hasher: Callable[[Request], list[Any]],
+    max_tokens: int = 4,
+    *,
+    ignore_eos: bool = False,
 ) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return Request(req_id, tokens, params, None, block_hasher=hasher)
 
 
 class SchedulerHalf:
@@ -178,7 +246,7 @@ class SchedulerHalf:
 
     def __init__(self, vllm_config: VllmConfig, config: KVCacheConfig) -> None:
         self.scheduler = make_scheduler(vllm_config, config)
-        self.hasher = block_hasher()
+        self.hasher = block_hasher(vllm_config.cache_config.block_size)
 
     @property
     def connector(self) -> LMTierConnector:
@@ -186,8 +254,10 @@ class SchedulerHalf:
         assert isinstance(connector, LMTierConnector)
         return connector
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4) -> Request:
-        request = make_request(req_id, tokens, self.hasher, max_tokens)
+    def add(
+        self, req_id: str, tokens: list[int], max_tokens: int = 4, *, ignore_eos: bool = False
+    ) -> Request:
+        request = make_request(req_id, tokens, self.hasher, max_tokens, ignore_eos=ignore_eos)
         self.scheduler.add_request(request)
         return request
 
@@ -235,20 +305,22 @@ def worker_step(
     *,
     loads_first: bool | None = None,
     forward: Callable[[int], None] | None = None,
+    geometry: Geometry = GEOMETRY,
 ) -> LMTierConnectorMetadata:
     """What vLLM's model runner does with one step's SchedulerOutput
     (``kv_connector_model_runner_mixin``): bind the connector's metadata, call
     ``start_load_kv`` before the (fake) forward pass when the step has synchronous
     loads and after it otherwise, run the forward pass layer by layer with
     ``save_kv_layer``, then ``wait_for_save``. ``loads_first`` forces one order;
-    ``forward(layer)`` replaces :func:`fake_forward`."""
+    ``forward(layer)`` replaces :func:`fake_forward` (which writes the default
+    geometry's KV: a harness of another :class:`Geometry` passes its own)."""
     meta = out.kv_connector_metadata
     assert isinstance(meta, LMTierConnectorMetadata)
     first = out.has_sync_kv_loads if loads_first is None else loads_first
     worker.bind_connector_metadata(meta)
     if first:
         worker.start_load_kv(None)  # type: ignore[arg-type]
-    for layer, name in enumerate(NAMES):
+    for layer, name in enumerate(geometry.names):
         worker.wait_for_layer_load(name)
         if forward is None:
             fake_forward(kv, out, layer)
@@ -296,10 +368,13 @@ class Engine(SchedulerHalf):
         vllm_config: VllmConfig,
         layout: KVCacheLayout = KVCacheLayout.BLHNC,
         worker_config: VllmConfig | None = None,
+        geometry: Geometry = GEOMETRY,
     ) -> None:
+        """``vllm_config`` made by :func:`make_vllm_config` for the same ``geometry``."""
         num_blocks = vllm_config.cache_config.num_gpu_blocks or NUM_BLOCKS
-        config = kv_cache_config(layout, num_blocks)
+        config = kv_cache_config(layout, num_blocks, geometry)
         super().__init__(vllm_config, config)
+        self.geometry = geometry
         self.worker = LMTierConnector(worker_config or vllm_config, KVConnectorRole.WORKER, config)
         self.kv = allocate_kv_cache(config, torch.device("cpu"), layout)
         self.worker.register_kv_caches(self.kv)
@@ -307,23 +382,33 @@ class Engine(SchedulerHalf):
     def step(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
         """Schedule, then run the worker connector around a fake forward pass."""
         out = self.scheduler.schedule()
-        return out, worker_step(self.worker, self.kv, out)
+        return out, worker_step(self.worker, self.kv, out, geometry=self.geometry)
 
     def run_step(
-        self, before_worker: Callable[[], None] | None = None, **options: Any
+        self,
+        before_worker: Callable[[], None] | None = None,
+        forward: Callable[[SchedulerOutput, int], None] | None = None,
+        **options: Any,
     ) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
-        """One whole engine step: schedule, the worker around the fake forward pass,
-        and the runner's output (sampled tokens, finished transfers, load errors, KV
-        events) back into the scheduler, as vLLM's engine core does.
-        ``before_worker`` runs between the two halves (a fault to inject)."""
+        """One whole engine step: schedule, the worker around the forward pass (default:
+        :func:`scheduler_forward`; ``forward(out, layer)`` replaces it), and the
+        runner's output (sampled tokens, finished transfers, load errors, KV events)
+        back into the scheduler, as vLLM's engine core does. ``before_worker`` runs
+        between the two halves (a fault to inject); ``options`` go to
+        :func:`worker_step`."""
         out = self.scheduler.schedule()
         if before_worker is not None:
             before_worker()
 
-        def forward(layer: int) -> None:
-            scheduler_forward(self.scheduler, self.kv, out, layer)
+        def layer_forward(layer: int) -> None:
+            if forward is None:
+                scheduler_forward(self.scheduler, self.kv, out, layer)
+            else:
+                forward(out, layer)
 
-        meta = worker_step(self.worker, self.kv, out, forward=forward, **options)
+        meta = worker_step(
+            self.worker, self.kv, out, forward=layer_forward, geometry=self.geometry, **options
+        )
         sending, receiving = self.worker.get_finished(out.finished_req_ids)
         kv_output = KVConnectorOutput(
             finished_sending=sending,
