@@ -147,6 +147,7 @@ def test_other_weights_never_hit(model: LlamaForCausalLM, tmp_path: Path) -> Non
         assert CachedCausalLM(model, b).prefill(ids).num_cached_tokens == 0
 
 
+@pytest.mark.slow  # a topology: two processes in turn, each building the model
 def test_restart_in_a_new_process_hits_disk_with_equal_logits(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""

@@ -12,7 +12,7 @@ import pytest
 
 from support import ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # the example twice, a process each
 
 README = ROOT / "README.md"
 

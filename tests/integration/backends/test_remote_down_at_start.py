@@ -13,7 +13,7 @@ from lmtier.config import CPUTierConfig, DiskTierConfig, RedisTierConfig
 from lmtier.config.secrets import SecretURL
 from support.redis_servers import RedisServer, free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a restart and a reopen timer
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 

@@ -18,7 +18,7 @@ from support.redis_servers import RedisServer
 from support.s3_server import MotoServer, s3_credentials, s3_server  # noqa: F401
 from support.slow_link import SlowLink
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # links paced in real time
 
 
 def kv_for(spec: KVSpec, num_tokens: int, seed: int) -> torch.Tensor:

@@ -69,6 +69,7 @@ def test_restart_serves_every_chunk_from_disk(tmp_path: Path) -> None:
         assert cache.lookup(prompt).tokens_by_tier(CHUNK) == {"cpu": 192}
 
 
+@pytest.mark.slow  # a topology: processes in turn over one disk
 def test_restart_in_a_new_process(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
@@ -239,6 +240,7 @@ print(cache.store(tokens, torch.randn(spec.shape(count * chunk))), flush=True)
 """
 
 
+@pytest.mark.slow  # a topology: a process that exits, then another
 def test_an_exit_without_close_writes_every_chunk_stored(tmp_path: Path) -> None:
     # Interpreter exit stops concurrent.futures' pools before atexit handlers run; the
     # queued writes used to fail ("cannot schedule new futures after shutdown") and

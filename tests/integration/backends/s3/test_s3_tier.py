@@ -491,6 +491,7 @@ def test_hung_server_is_a_miss_and_recovers(
     run(scenario)
 
 
+@pytest.mark.slow  # a restart: the S3 server killed and started again
 def test_killed_server_is_a_miss_and_recovers_after_restart(prefix: str) -> None:
     server = MotoServer()
     with dummy_credentials():
