@@ -44,6 +44,9 @@ SETTINGS: dict[str, Any] = {
     "cpu": {"capacity_bytes": "32MiB", "staging_bytes": "8MiB"},
     "sidecar": {"slab_bytes": "520KiB"},
 }
+ROOMY: dict[str, Any] = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
+"""The shared sidecar's: room for the longest prompt of a test (100 chunks) beside
+what the tests before it stored."""
 TOKENS = 256 * 6 + 100  # six full chunks and a tail
 
 
@@ -73,7 +76,7 @@ def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60.0
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     """The module's sidecar (module docstring): not to be stopped, signalled or read
     as a fresh one."""
-    with SidecarProcess(tmp_path_factory.mktemp("shared"), SETTINGS) as process:
+    with SidecarProcess(tmp_path_factory.mktemp("shared"), ROOMY) as process:
         yield process
 
 
@@ -454,26 +457,21 @@ def test_the_sidecar_hashes_token_ids_as_clients_do(observer: LMTier) -> None:
 
 
 def test_a_long_load_is_pipelined_and_stops_at_the_first_miss(
-    tmp_path: Path,
+    sidecar: SidecarProcess, model: str
 ) -> None:
-    settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
-    with SidecarProcess(tmp_path / "sidecar", settings) as sidecar:
-        cache = connect(sidecar.target, stream=False)
-        try:
-            tokens = 100 * 256
-            ids, kv = prompt(12, tokens), kv_of(12, tokens)
-            assert cache.store(ids, kv) == 100
-            keys = cache.keys(ids)
-            with cache.load_keys(keys) as hit:  # 4 Loads of 32, 32, 32 and 4 chunks
-                assert hit.num_tokens == tokens
-                assert torch.equal(hit.kv(), kv)
-            holed = [*keys[:40], ChunkKey(keys[0][:16] + os.urandom(16)), *keys[41:]]
-            with cache.load_keys(holed) as hit:  # chunks after the hole are given back
-                assert hit.num_tokens == 40 * 256
-                assert torch.equal(hit.kv(), kv[:, :, : 40 * 256])
-            eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
-        finally:
-            cache.close()
+    with connect(sidecar.target, stream=False, model_id=model) as cache:
+        tokens = 100 * 256
+        ids, kv = prompt(12, tokens), kv_of(12, tokens)
+        assert cache.store(ids, kv) == 100
+        keys = cache.keys(ids)
+        with cache.load_keys(keys) as hit:  # 4 Loads of 32, 32, 32 and 4 chunks
+            assert hit.num_tokens == tokens
+            assert torch.equal(hit.kv(), kv)
+        holed = [*keys[:40], ChunkKey(keys[0][:16] + os.urandom(16)), *keys[41:]]
+        with cache.load_keys(holed) as hit:  # chunks after the hole are given back
+            assert hit.num_tokens == 40 * 256
+            assert torch.equal(hit.kv(), kv[:, :, : 40 * 256])
+        eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
 
 
 def test_a_store_asks_for_slabs_ahead_and_frees_none_for_chunks_the_sidecar_holds(
@@ -484,8 +482,9 @@ def test_a_store_asks_for_slabs_ahead_and_frees_none_for_chunks_the_sidecar_hold
     sidecar is shared: its eviction count is compared with itself, before and after.)"""
     slabs = int(gauges(observer)["slabs_total"])
     before = observer.stats()["cpu"]["evictions"]
+    filler = kv_of(40, 8 * 256)  # any bytes: what counts is how many chunks
     for seed in range(40, 40 + slabs // 8 + 1):  # more chunks than the pool holds
-        observer.store(prompt(seed, 8 * 256), kv_of(seed, 8 * 256))
+        observer.store(prompt(seed, 8 * 256), filler)
     assert observer.stats()["cpu"]["evictions"] > before  # full: any new slab evicts
     chunks = 20  # more than one store batch (8)
     ids, kv = prompt(21, chunks * 256), kv_of(21, chunks * 256)
@@ -519,15 +518,13 @@ def test_store_keys_with_skip_stores_only_the_chunks_after_it(
 
 
 def test_a_streaming_store_longer_than_one_call_is_stored_whole(
-    tmp_path: Path, in_place: InPlace
+    sidecar: SidecarProcess, model: str, in_place: InPlace
 ) -> None:
     """A store's chunks travel in one StoreStream fed as they are copied, and in a
     new one past a private pool's worth of chunks: every chunk arrives, in order."""
-    settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
     with (
-        SidecarProcess(tmp_path / "sidecar", settings) as sidecar,
-        connect(sidecar.target, stream=True, staging_bytes=8 << 20) as client,
-        connect(sidecar.target, stream=False) as reader,
+        connect(sidecar.target, stream=True, staging_bytes=8 << 20, model_id=model) as client,
+        connect(sidecar.target, stream=False, model_id=model) as reader,
     ):
         chunks = 70
         ids, kv = prompt(50, chunks * 256), kv_of(50, chunks * 256)
