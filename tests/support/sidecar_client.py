@@ -1,5 +1,6 @@
 """A client process of a sidecar for the integration tests: run as a script, it does
-one thing through ``lmtier.connect`` and prints one JSON line per step.
+one thing through ``lmtier.connect`` and prints one JSON line per step (``--model M``:
+as model M instead of ``MODEL``).
 
     python sidecar_client.py TARGET store PROMPT_SEED N_TOKENS [--stream] [--salt S]
     python sidecar_client.py TARGET load PROMPT_SEED N_TOKENS [--stream] [--salt S]
@@ -46,13 +47,17 @@ def digest(tensor: torch.Tensor | None) -> str:
     return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
 
 
-def connect(target: str, *, stream: bool, timeout_s: float = 10.0, **options: Any) -> LMTier:
+def connect(
+    target: str, *, stream: bool, timeout_s: float = 10.0, model_id: str = MODEL, **options: Any
+) -> LMTier:
+    """A client of the sidecar at ``target``, of model ``model_id`` (a test that shares
+    its sidecar with others gives its own: its chunks are then its own)."""
     config = load_config(env={})
     return lmtier.connect(
         target,
         config,
         kv=SPEC,
-        model_id=MODEL,
+        model_id=model_id,
         shared_memory=not stream,
         timeout_s=timeout_s,
         client_name="test-client",
@@ -107,10 +112,11 @@ def main() -> int:
     parser.add_argument("tokens", type=int)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--salt", default="")
+    parser.add_argument("--model", default=MODEL)
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     ids = prompt(args.seed, args.tokens)
-    cache = connect(args.target, stream=args.stream)
+    cache = connect(args.target, stream=args.stream, model_id=args.model)
     if args.mode == "store":
         stored = cache.store(ids, kv_of(args.seed, args.tokens), cache_salt=args.salt)
         cache.flush()

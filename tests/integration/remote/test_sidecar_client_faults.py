@@ -14,7 +14,8 @@ the drain, each kept here as a regression test.
 * SIGTERM while a load is in flight lets it finish (it missed: the drain ended the
   sessions first) and the sidecar exits 0 without logging a traceback.
 * A client frozen in the middle of a StoreStream is noticed by the keepalive like any
-  other (it took 60 s: grpc's ping timeout, not the keepalive's 10 s, applied).
+  other (it took 60 s: grpc's ping timeout, not the keepalive's, applied). The test's
+  sidecar sets ``sidecar.keepalive_s`` short (2 s, not the default 10 s).
 
 Everything is a real process or a real socket; waits poll for a condition, except
 where the test is about time itself (a lease's age).
@@ -76,15 +77,21 @@ def reuse_every_free_slab(cache: LMTier) -> None:
         assert cache.store(prompt(seed, N), kv_of(seed, N)) == 4
 
 
-@pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
-    process = SidecarProcess(tmp_path / "sidecar", SETTINGS)
+def running(directory: Path, settings: dict[str, Any]) -> Iterator[SidecarProcess]:
+    """A started sidecar, stopped at the end (resumed first: a paused one could not
+    drain)."""
+    process = SidecarProcess(directory, settings)
     try:
         yield process.start()
     finally:
         if process.process is not None and process.process.poll() is None:
-            process.signal(signal.SIGCONT)  # a paused one could not drain
+            process.signal(signal.SIGCONT)
         process.stop()
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+    yield from running(tmp_path / "sidecar", SETTINGS)
 
 
 @pytest.fixture
@@ -443,12 +450,26 @@ HALF_A_STORE = textwrap.dedent(
 )
 
 
+KEEPALIVE_S = 2.0
+"""The frozen-client test's ``sidecar.keepalive_s`` (the default is 10 s): a frozen
+client is noticed within about 2 x 2 s, not 20 s; every live connection (the monitor's
+here) still has 2 s to answer a ping, seconds to spare on a loaded machine."""
+
+
+@pytest.fixture
+def short_keepalive_sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+    settings = {**SETTINGS, "sidecar": {**SETTINGS["sidecar"], "keepalive_s": KEEPALIVE_S}}
+    yield from running(tmp_path / "sidecar", settings)
+
+
 def test_a_client_frozen_mid_store_stream_loses_its_session_to_the_keepalive(
-    sidecar: SidecarProcess,
+    short_keepalive_sidecar: SidecarProcess,
 ) -> None:
-    """SIGSTOP: no FIN, no ping answered. The keepalive (a ping every 10 s, 10 s to
-    answer) ends its connection; while it was uploading, grpc's own flow-control pings
-    were in flight, and their 60 s timeout applied until the sidecar set it to 10 s."""
+    """SIGSTOP: no FIN, no ping answered. The keepalive (a ping every ``keepalive_s``,
+    as long to answer: 2 s here) ends its connection; while it was uploading, grpc's
+    own flow-control pings were in flight, and their 60 s timeout applied until the
+    sidecar set it to ``keepalive_s``."""
+    sidecar = short_keepalive_sidecar
     with grpc.insecure_channel(sidecar.target) as channel:
         stub = pb_grpc.SidecarStub(channel)
         with open_session(stub, shared_memory=False, client_name="monitor") as monitor:
@@ -464,7 +485,9 @@ def test_a_client_frozen_mid_store_stream_loses_its_session_to_the_keepalive(
                 child.send_signal(signal.SIGSTOP)
                 wait_for(
                     lambda: sidecar_gauges(stub, monitor)["sessions"] == 1,
-                    "the frozen client's session ending (keepalive: 20 s at most; was 60 s)",
+                    # About 2 x KEEPALIVE_S (60 s before the fix); the deadline is a hang
+                    # guard.
+                    "the frozen client's session ending (keepalive: ~4 s; was 60 s)",
                     timeout_s=45,
                 )
             finally:

@@ -1,7 +1,13 @@
 """The sidecar as users run it: a real ``lmtier serve`` process and real client
 processes (``sidecar_client.py``), sharing one node's cache through shared memory or
 gRPC streams; slabs that come back when clients die; a sidecar killed, restarted
-and drained."""
+and drained.
+
+Tests that neither stop, signal nor reconfigure their sidecar, nor read its gauges as
+a fresh one's, share one per module (``sidecar``, per xdist worker) and each works in
+a model of its own (``model``): what another test stored, in any order, is not
+theirs. The rest get a sidecar of their own (``own_sidecar``) or start one.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,7 +34,7 @@ from lmtier.remote.streaming import MessageSlab, ReceivedSlab
 from lmtier.storage.host_pool import SlabHandle
 from lmtier.testing.sidecar import SidecarProcess
 from support import child_env
-from support.sidecar_client import connect, digest, gauges, kv_of, prompt
+from support.sidecar_client import MODEL, connect, digest, gauges, kv_of, prompt
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +44,9 @@ SETTINGS: dict[str, Any] = {
     "cpu": {"capacity_bytes": "32MiB", "staging_bytes": "8MiB"},
     "sidecar": {"slab_bytes": "520KiB"},
 }
+ROOMY: dict[str, Any] = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
+"""The shared sidecar's: room for the longest prompt of a test (100 chunks) beside
+what the tests before it stored."""
 TOKENS = 256 * 6 + 100  # six full chunks and a tail
 
 
@@ -62,17 +72,37 @@ def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 60.0
         time.sleep(0.05)
 
 
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    """The module's sidecar (module docstring): not to be stopped, signalled or read
+    as a fresh one."""
+    with SidecarProcess(tmp_path_factory.mktemp("shared"), ROOMY) as process:
+        yield process
+
+
 @pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+def model() -> str:
+    """A model id of this test's own: its chunks in the shared sidecar are its own."""
+    return f"{MODEL}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def observer(sidecar: SidecarProcess, model: str) -> Iterator[LMTier]:
+    with connect(sidecar.target, stream=False, model_id=model) as cache:
+        yield cache
+
+
+@pytest.fixture
+def own_sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+    """A sidecar of this test's own: it stops or signals it, or reads its gauges."""
     with SidecarProcess(tmp_path / "sidecar", SETTINGS) as process:
         yield process
 
 
 @pytest.fixture
-def observer(sidecar: SidecarProcess) -> Iterator[LMTier]:
-    cache = connect(sidecar.target, stream=False)
-    yield cache
-    cache.close()
+def own_observer(own_sidecar: SidecarProcess) -> Iterator[LMTier]:
+    with connect(own_sidecar.target, stream=False) as cache:
+        yield cache
 
 
 class InPlace(NamedTuple):
@@ -100,22 +130,24 @@ def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_two_client_processes_share_cpu_hits_bit_exact(
-    sidecar: SidecarProcess, observer: LMTier
+    sidecar: SidecarProcess, observer: LMTier, model: str
 ) -> None:
-    stored = run_client(sidecar.target, "store", "1", str(TOKENS))
+    stored = run_client(sidecar.target, "store", "1", str(TOKENS), "--model", model)
     assert stored == {"stored": 6}
     expected = digest(kv_of(1, TOKENS)[:, :, : 6 * 256])
     for mode in ([], ["--stream"]):
-        loaded = run_client(sidecar.target, "load", "1", str(TOKENS), *mode)
+        loaded = run_client(sidecar.target, "load", "1", str(TOKENS), "--model", model, *mode)
         assert loaded == {"tokens": 6 * 256, "tiers": {"cpu": 6 * 256}, "sha": expected}
     # A second store from another process finds the chunks cached: nothing new.
-    assert run_client(sidecar.target, "store", "1", str(TOKENS), "--stream") == {"stored": 0}
+    again = run_client(sidecar.target, "store", "1", str(TOKENS), "--stream", "--model", model)
+    assert again == {"stored": 0}
 
 
 def test_streaming_store_is_loaded_through_shared_memory(
-    sidecar: SidecarProcess, observer: LMTier
+    sidecar: SidecarProcess, observer: LMTier, model: str
 ) -> None:
-    assert run_client(sidecar.target, "store", "2", str(TOKENS), "--stream") == {"stored": 6}
+    stored = run_client(sidecar.target, "store", "2", str(TOKENS), "--stream", "--model", model)
+    assert stored == {"stored": 6}
     with observer.load(prompt(2, TOKENS)) as hit:
         assert hit.num_tokens == 6 * 256
         assert torch.equal(hit.kv(), kv_of(2, TOKENS)[:, :, : 6 * 256])
@@ -146,11 +178,11 @@ def test_a_streamed_load_reads_a_whole_chunk_in_the_message_it_came_in(
 
 
 def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
-    sidecar: SidecarProcess, observer: LMTier, in_place: InPlace
+    sidecar: SidecarProcess, observer: LMTier, model: str, in_place: InPlace
 ) -> None:
     # One private slab: each chunk's StoreStream must end (and give it back) before
     # the next chunk is copied; nothing is dropped.
-    with connect(sidecar.target, stream=True, staging_bytes=1) as client:
+    with connect(sidecar.target, stream=True, staging_bytes=1, model_id=model) as client:
         assert client.host_memory().slabs == 0  # made on first use
         assert client.store(prompt(12, TOKENS), kv_of(12, TOKENS)) == 6
         assert client.host_memory().slabs == 1
@@ -161,10 +193,11 @@ def test_a_streaming_store_bigger_than_its_private_pool_waits_for_slabs(
 
 
 def test_threads_of_one_streaming_client_store_and_load_bit_exact(
-    sidecar: SidecarProcess, in_place: InPlace
+    sidecar: SidecarProcess, model: str, in_place: InPlace
 ) -> None:
     # Four threads share one client, its private pool and its store calls in flight
-    # (eight prompts, 48 chunks: within the sidecar's CPU tier, so none is evicted).
+    # (eight prompts, 48 chunks: within the sidecar's CPU tier, so none is evicted
+    # before it is loaded: older chunks, other tests' too, go first).
     failures: list[str] = []
 
     def work(thread: int) -> None:
@@ -177,7 +210,7 @@ def test_threads_of_one_streaming_client_store_and_load_bit_exact(
         except Exception as exc:  # reported below, with the thread
             failures.append(f"thread {thread}: {exc!r}")
 
-    with connect(sidecar.target, stream=True) as client:
+    with connect(sidecar.target, stream=True, model_id=model) as client:
         threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
         for thread in threads:
             thread.start()
@@ -189,8 +222,9 @@ def test_threads_of_one_streaming_client_store_and_load_bit_exact(
 
 
 def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
-    sidecar: SidecarProcess, observer: LMTier, in_place: InPlace
+    own_sidecar: SidecarProcess, own_observer: LMTier, in_place: InPlace
 ) -> None:
+    sidecar, observer = own_sidecar, own_observer
     ids, kv = prompt(13, TOKENS), kv_of(13, TOKENS)
     client = connect(sidecar.target, stream=True, timeout_s=1.0, staging_bytes=4 << 20)
     streams = client.chunk_store._sending  # type: ignore[attr-defined]
@@ -231,8 +265,11 @@ def test_a_streaming_store_to_a_stopped_sidecar_misses_and_gives_its_slabs_back(
             assert torch.equal(hit.kv(), kv_of(seed, TOKENS)[:, :, : 6 * 256])
 
 
-def test_tenants_do_not_see_each_other(sidecar: SidecarProcess, observer: LMTier) -> None:
-    assert run_client(sidecar.target, "store", "3", str(TOKENS), "--salt", "a") == {"stored": 6}
+def test_tenants_do_not_see_each_other(
+    sidecar: SidecarProcess, observer: LMTier, model: str
+) -> None:
+    stored = run_client(sidecar.target, "store", "3", str(TOKENS), "--salt", "a", "--model", model)
+    assert stored == {"stored": 6}
     ids = prompt(3, TOKENS)
     assert observer.lookup(ids, cache_salt="a").num_tokens == 6 * 256
     assert observer.lookup(ids, cache_salt="b").num_tokens == 0
@@ -240,8 +277,10 @@ def test_tenants_do_not_see_each_other(sidecar: SidecarProcess, observer: LMTier
 
 
 def test_sigkill_of_a_client_holding_leases_returns_every_slab(
-    sidecar: SidecarProcess, observer: LMTier
+    own_sidecar: SidecarProcess, own_observer: LMTier
 ) -> None:
+    """Reads the sidecar's gauges (leases, sessions): its own sidecar."""
+    sidecar, observer = own_sidecar, own_observer
     assert run_client(sidecar.target, "store", "4", str(TOKENS)) == {"stored": 6}
     before = gauges(observer)
     holder = subprocess.Popen(
@@ -289,8 +328,9 @@ def test_a_lease_past_its_deadline_is_reclaimed_and_unusable(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["shm", "stream"])
 def test_a_hung_sidecar_is_probed_in_the_background_not_by_callers(
-    sidecar: SidecarProcess, stream: bool
+    own_sidecar: SidecarProcess, stream: bool
 ) -> None:
+    sidecar = own_sidecar
     ids, kv = prompt(15, TOKENS), kv_of(15, TOKENS)
     client = connect(sidecar.target, stream=stream, timeout_s=1.0)
     connection = client.chunk_store._connection  # type: ignore[attr-defined]
@@ -384,7 +424,8 @@ def test_sigterm_drains_writes_and_exits_zero(tmp_path: Path) -> None:
             fresh.close()
 
 
-def test_socket_and_pool_are_owner_only(sidecar: SidecarProcess, observer: LMTier) -> None:
+def test_socket_and_pool_are_owner_only(own_sidecar: SidecarProcess, own_observer: LMTier) -> None:
+    sidecar = own_sidecar  # stopped below
     assert os.stat(sidecar.socket).st_mode & 0o777 == 0o600
     assert os.stat(sidecar.socket.parent).st_mode & 0o777 == 0o700
     pools = [p for p in Path("/dev/shm").glob(f"lmtier-{sidecar.pid}-*.pool")]
@@ -393,9 +434,7 @@ def test_socket_and_pool_are_owner_only(sidecar: SidecarProcess, observer: LMTie
     assert not pools[0].exists()
 
 
-def test_purge_empties_one_tenant_and_keeps_the_other(
-    sidecar: SidecarProcess, observer: LMTier
-) -> None:
+def test_purge_empties_one_tenant_and_keeps_the_other(observer: LMTier) -> None:
     ids = prompt(8, TOKENS)
     assert observer.store(ids, kv_of(8, TOKENS), cache_salt="a") == 6
     assert observer.store(ids, kv_of(8, TOKENS), cache_salt="b") == 6
@@ -404,9 +443,7 @@ def test_purge_empties_one_tenant_and_keeps_the_other(
     assert observer.lookup(ids, cache_salt="b").num_tokens == 6 * 256
 
 
-def test_the_sidecar_hashes_token_ids_as_clients_do(
-    sidecar: SidecarProcess, observer: LMTier
-) -> None:
+def test_the_sidecar_hashes_token_ids_as_clients_do(observer: LMTier) -> None:
     from lmtier.remote.client import SidecarStore
     from lmtier.v1 import sidecar_pb2 as pb
 
@@ -420,37 +457,35 @@ def test_the_sidecar_hashes_token_ids_as_clients_do(
 
 
 def test_a_long_load_is_pipelined_and_stops_at_the_first_miss(
-    tmp_path: Path,
+    sidecar: SidecarProcess, model: str
 ) -> None:
-    settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
-    with SidecarProcess(tmp_path / "sidecar", settings) as sidecar:
-        cache = connect(sidecar.target, stream=False)
-        try:
-            tokens = 100 * 256
-            ids, kv = prompt(12, tokens), kv_of(12, tokens)
-            assert cache.store(ids, kv) == 100
-            keys = cache.keys(ids)
-            with cache.load_keys(keys) as hit:  # 4 Loads of 32, 32, 32 and 4 chunks
-                assert hit.num_tokens == tokens
-                assert torch.equal(hit.kv(), kv)
-            holed = [*keys[:40], ChunkKey(keys[0][:16] + os.urandom(16)), *keys[41:]]
-            with cache.load_keys(holed) as hit:  # chunks after the hole are given back
-                assert hit.num_tokens == 40 * 256
-                assert torch.equal(hit.kv(), kv[:, :, : 40 * 256])
-            eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
-        finally:
-            cache.close()
+    with connect(sidecar.target, stream=False, model_id=model) as cache:
+        tokens = 100 * 256
+        ids, kv = prompt(12, tokens), kv_of(12, tokens)
+        assert cache.store(ids, kv) == 100
+        keys = cache.keys(ids)
+        with cache.load_keys(keys) as hit:  # 4 Loads of 32, 32, 32 and 4 chunks
+            assert hit.num_tokens == tokens
+            assert torch.equal(hit.kv(), kv)
+        holed = [*keys[:40], ChunkKey(keys[0][:16] + os.urandom(16)), *keys[41:]]
+        with cache.load_keys(holed) as hit:  # chunks after the hole are given back
+            assert hit.num_tokens == 40 * 256
+            assert torch.equal(hit.kv(), kv[:, :, : 40 * 256])
+        eventually(lambda: gauges(cache)["leases"] == 0, "every lease ended")
 
 
 def test_a_store_asks_for_slabs_ahead_and_frees_none_for_chunks_the_sidecar_holds(
-    sidecar: SidecarProcess, observer: LMTier
+    observer: LMTier,
 ) -> None:
     """A shared-memory store asks for its first batch's slabs and the rest's at once;
-    re-storing a cached prompt into a full pool must still evict nothing."""
+    re-storing a cached prompt into a full pool must still evict nothing. (The
+    sidecar is shared: its eviction count is compared with itself, before and after.)"""
     slabs = int(gauges(observer)["slabs_total"])
+    before = observer.stats()["cpu"]["evictions"]
+    filler = kv_of(40, 8 * 256)  # any bytes: what counts is how many chunks
     for seed in range(40, 40 + slabs // 8 + 1):  # more chunks than the pool holds
-        observer.store(prompt(seed, 8 * 256), kv_of(seed, 8 * 256))
-    assert observer.stats()["cpu"]["evictions"] > 0  # full: any new slab evicts
+        observer.store(prompt(seed, 8 * 256), filler)
+    assert observer.stats()["cpu"]["evictions"] > before  # full: any new slab evicts
     chunks = 20  # more than one store batch (8)
     ids, kv = prompt(21, chunks * 256), kv_of(21, chunks * 256)
     assert observer.store(ids, kv) == chunks
@@ -465,9 +500,9 @@ def test_a_store_asks_for_slabs_ahead_and_frees_none_for_chunks_the_sidecar_hold
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_store_keys_with_skip_stores_only_the_chunks_after_it(
-    sidecar: SidecarProcess, stream: bool
+    sidecar: SidecarProcess, model: str, stream: bool
 ) -> None:
-    cache = connect(sidecar.target, stream=stream)
+    cache = connect(sidecar.target, stream=stream, model_id=model)
     try:
         seed = 30 + stream
         ids, kv = prompt(seed, 10 * 256), kv_of(seed, 10 * 256)
@@ -483,15 +518,13 @@ def test_store_keys_with_skip_stores_only_the_chunks_after_it(
 
 
 def test_a_streaming_store_longer_than_one_call_is_stored_whole(
-    tmp_path: Path, in_place: InPlace
+    sidecar: SidecarProcess, model: str, in_place: InPlace
 ) -> None:
     """A store's chunks travel in one StoreStream fed as they are copied, and in a
     new one past a private pool's worth of chunks: every chunk arrives, in order."""
-    settings = {**SETTINGS, "cpu": {"capacity_bytes": "96MiB", "staging_bytes": "64MiB"}}
     with (
-        SidecarProcess(tmp_path / "sidecar", settings) as sidecar,
-        connect(sidecar.target, stream=True, staging_bytes=8 << 20) as client,
-        connect(sidecar.target, stream=False) as reader,
+        connect(sidecar.target, stream=True, staging_bytes=8 << 20, model_id=model) as client,
+        connect(sidecar.target, stream=False, model_id=model) as reader,
     ):
         chunks = 70
         ids, kv = prompt(50, chunks * 256), kv_of(50, chunks * 256)
