@@ -104,6 +104,7 @@ def observer(sidecar: SidecarProcess) -> Iterator[LMTier]:
 # ---- leases held by the client ------------------------------------------------------
 
 
+@pytest.mark.slow  # a real timer: a paused sidecar
 def test_a_result_held_while_its_client_gives_up_on_a_paused_sidecar_keeps_its_bytes(
     sidecar: SidecarProcess, observer: LMTier
 ) -> None:
@@ -127,6 +128,7 @@ def test_a_result_held_while_its_client_gives_up_on_a_paused_sidecar_keeps_its_b
         wait_for(lambda: gauges(observer)["leases"] == 0, "the held result's leases ending")
 
 
+@pytest.mark.slow  # a real timer: the lease reaper
 def test_the_reaper_ends_a_late_lease_and_spares_a_fresh_one_of_the_same_client(
     tmp_path: Path,
 ) -> None:
@@ -175,6 +177,7 @@ def mapped_pools(pids: set[int]) -> set[str]:
         return {m[0] for m in found if m is not None and int(m[1]) in pids}
 
 
+@pytest.mark.slow  # restarts of the sidecar
 def test_a_client_keeps_one_pool_mapped_however_often_its_sidecar_restarts(
     tmp_path: Path,
 ) -> None:
@@ -377,6 +380,7 @@ def redis_backlog(port: int) -> int:
     return total
 
 
+@pytest.mark.slow  # a sidecar stopped mid-load
 @pytest.mark.parametrize("transport", ["lane", "grpc"])
 def test_sigterm_lets_a_load_in_flight_finish_bit_exact(tmp_path: Path, transport: str) -> None:
     ids, kv = prompt(6, N), kv_of(6, N)
@@ -462,6 +466,7 @@ def short_keepalive_sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
     yield from running(tmp_path / "sidecar", settings)
 
 
+@pytest.mark.slow  # a real timer: the keepalive
 def test_a_client_frozen_mid_store_stream_loses_its_session_to_the_keepalive(
     short_keepalive_sidecar: SidecarProcess,
 ) -> None:

@@ -129,6 +129,7 @@ def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     assert any(state.sent) == request.param  # the path asked for was the one taken
 
 
+@pytest.mark.slow  # a topology: client processes beside the sidecar
 def test_two_client_processes_share_cpu_hits_bit_exact(
     sidecar: SidecarProcess, observer: LMTier, model: str
 ) -> None:
@@ -276,6 +277,7 @@ def test_tenants_do_not_see_each_other(
     assert observer.lookup(ids).num_tokens == 0
 
 
+@pytest.mark.slow  # a topology: a client process killed
 def test_sigkill_of_a_client_holding_leases_returns_every_slab(
     own_sidecar: SidecarProcess, own_observer: LMTier
 ) -> None:
@@ -305,6 +307,7 @@ def test_sigkill_of_a_client_holding_leases_returns_every_slab(
     assert after["sessions"] == before["sessions"]
 
 
+@pytest.mark.slow  # a real timer: the lease's ttl
 def test_a_lease_past_its_deadline_is_reclaimed_and_unusable(tmp_path: Path) -> None:
     settings = {**SETTINGS, "sidecar": {**SETTINGS["sidecar"], "lease_ttl_s": 1.0}}
     with SidecarProcess(tmp_path / "sidecar", settings) as sidecar:
@@ -364,6 +367,7 @@ def test_a_hung_sidecar_is_probed_in_the_background_not_by_callers(
         client.close()
 
 
+@pytest.mark.slow  # a restart of the sidecar
 def test_sidecar_killed_mid_load_costs_a_miss_and_a_restart_serves_disk(
     tmp_path: Path,
 ) -> None:
@@ -402,6 +406,7 @@ def test_sidecar_killed_mid_load_costs_a_miss_and_a_restart_serves_disk(
         first.stop()
 
 
+@pytest.mark.slow  # a sidecar stopped and drained
 def test_sigterm_drains_writes_and_exits_zero(tmp_path: Path) -> None:
     settings = {**SETTINGS, "disk": {"path": str(tmp_path / "disk"), "capacity_bytes": "1GiB"}}
     sidecar = SidecarProcess(tmp_path / "one", settings).start()

@@ -481,6 +481,7 @@ def ops_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return files
 
 
+@pytest.mark.slow  # a topology: an ops command process each
 def test_ops_commands_with_a_token_scoped_to_one_salt(
     secured: SidecarProcess, ops_files: dict[str, Path]
 ) -> None:
@@ -729,6 +730,7 @@ def test_tls_and_a_token_over_a_remote_listener(remote: TcpSidecar, pem: tuple[P
     assert_unharmed(remote, metadata=bearer(ADMIN), credentials=credentials)
 
 
+@pytest.mark.slow  # a real timer: the handshake timeout
 def test_a_connection_that_never_handshakes_is_closed(remote: TcpSidecar) -> None:
     """A TCP connection that never starts its TLS handshake holds one of the sidecar's
     descriptors, and anyone can open thousands. grpc's default let each stay 120 s; the

@@ -1014,8 +1014,7 @@ def test_flush_with_odd_timeouts(
 
 
 # --- streams that stall ----------------------------------------------------------------
-
-
+@pytest.mark.slow  # a real timer: the lease's ttl
 def test_stalled_streams_hold_slabs_no_longer_than_a_lease(tmp_path: Path) -> None:
     """A LoadStream reader that stops reading, and a StoreStream writer that stops
     mid-chunk, keep the stream open but not the slabs: they come back after
