@@ -77,6 +77,7 @@ def connect_sidecar(
         shared_memory=False,
         client_name="lmtier ops",
         open_session=False,  # the check below opens the one it asks through
+        keepalive_s=config.sidecar.keepalive_s,
     )
     cache = LMTier(config, kv, store=store, **model).start()
     try:

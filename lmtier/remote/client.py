@@ -57,6 +57,7 @@ from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 from lmtier.store import Encoded, Reserved, StoreLayout
 from lmtier.v1 import sidecar_pb2 as pb
 from lmtier.wire.address import default_listen, parse_listen
+from lmtier.wire.keepalive import DEFAULT_KEEPALIVE_S
 
 if TYPE_CHECKING:
     from lmtier.storage.manager import EvictListener
@@ -104,6 +105,7 @@ def connect(
         timeout_s=timeout_s,
         client_name=client_name,
         staging_bytes=staging_bytes,
+        keepalive_s=config.sidecar.keepalive_s,
     )
     return LMTier(config, kv, store=store, **model).start()
 
@@ -114,7 +116,9 @@ class SidecarStore:
     the pool could be mapped; ``timeout_s`` bounds each call; ``client_name`` names
     this process in the sidecar's logs; ``staging_bytes`` sizes the private pool that
     streamed chunks pass through; ``open_session`` False skips opening the base
-    namespace's session at start (a tool that checks its own namespace first)."""
+    namespace's session at start (a tool that checks its own namespace first);
+    ``keepalive_s`` is ``sidecar.keepalive_s``, which must match the sidecar's: it
+    refuses pings more often than every half of its own."""
 
     holds_writes = False  # a stored chunk is the sidecar's once its answer came
 
@@ -129,6 +133,7 @@ class SidecarStore:
         client_name: str = "",
         staging_bytes: int = 64 * 1024**2,
         open_session: bool = True,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
     ) -> None:
         self.target = target
         self._open_session = open_session
@@ -141,6 +146,7 @@ class SidecarStore:
         self._timeout_s = timeout_s
         self._client_name = client_name
         self._staging_bytes = staging_bytes
+        self._keepalive_s = keepalive_s
         self._layout: StoreLayout | None = None
         self._check: ChunkCheck | None = None
         self._connection: Connection | None = None
@@ -180,6 +186,7 @@ class SidecarStore:
                     shared_memory=self._shared_memory,
                     timeout_s=self._timeout_s,
                     client_name=self._client_name,
+                    keepalive_s=self._keepalive_s,
                 )
             return self._connection
 

@@ -3,9 +3,11 @@
 Both ends ping an idle connection every ``keepalive_s`` and give up on it when a ping
 goes unanswered that long, so a peer gone without a FIN (a machine lost, a cable
 cut, a process frozen) is noticed within about two keepalives: the server ends its
-sessions and leases, a client reconnects. The sidecar's clients, its server and the
-peer tier's channels read the same setting, so a test (or an operator) that shortens
-it shortens every side alike.
+sessions and leases, a client reconnects. The sidecar's server and its clients
+(``lmtier.connect``, the ops commands) read the same setting, so a test (or an
+operator) that shortens it shortens both sides alike; they must agree, since the
+server refuses pings more often than every half of its own. The peer tier's
+channels ping at the default.
 """
 
 from __future__ import annotations

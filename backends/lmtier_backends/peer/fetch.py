@@ -81,7 +81,7 @@ class PeerClient:
         self._credentials = None
         self._options: list[tuple[str, object]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            *keepalive_options(keepalive_s),  # sidecar.keepalive_s
+            *keepalive_options(keepalive_s),  # the default sidecar.keepalive_s
             ("grpc.enable_http_proxy", 0),
         ]
         if tls is not None:
