@@ -3,54 +3,24 @@ a key's repr), shared and counted within a process, never inherited across a for
 
 from __future__ import annotations
 
-import os
 import warnings
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from lmtier.config import LMTierConfig, Secret
-from lmtier.kv_spec import KVSpec
+from lmtier.config import LMTierConfig
 
 with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     warnings.simplefilter("ignore", DeprecationWarning)
     from lmtier_connector.vllm import connector
-    from lmtier_connector.vllm.common import SidecarSettings
-
-PASSWORD = "hunter2-in-a-url"
-TOKEN = "a-sidecar-token"
-
-
-class FakeCache:
-    """What the registry opens instead of a cache: counts its closes, and its pid."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.closes = 0
-
-    def close(self) -> None:
-        self.closes += 1
+    from support.vllm_caches import PASSWORD, TOKEN, fake_registry
+    from support.vllm_caches import registry_key as key
 
 
 @pytest.fixture
 def caches(monkeypatch: pytest.MonkeyPatch) -> connector._Caches:
-    opened: list[FakeCache] = []
-
-    def open_cache(key: Any) -> FakeCache:
-        opened.append(FakeCache())
-        return opened[-1]
-
-    monkeypatch.setattr(connector, "_open_cache", open_cache)
-    return connector._Caches()
-
-
-def key(config: LMTierConfig | None = None) -> connector._CacheKey:
-    config = config or LMTierConfig(redis={"url": f"redis://:{PASSWORD}@h:6379/0"})
-    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", layout="LKTHD")
-    sidecar = SidecarSettings("unix:///tmp/lmtier.sock", token=Secret(TOKEN))
-    return (config, spec, "model", "rev", 1, 0, sidecar)
+    return fake_registry(monkeypatch)
 
 
 def test_the_key_is_the_frozen_config_and_its_repr_hides_the_secrets() -> None:
