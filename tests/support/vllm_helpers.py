@@ -48,6 +48,7 @@ with warnings.catch_warnings():
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    import lmtier_connector.vllm.connector as connector_module
     from lmtier_connector.vllm.common import LMTierConnectorMetadata
     from lmtier_connector.vllm.connector import LMTierConnector
 
@@ -100,6 +101,24 @@ class Geometry:
             "rms_norm_eps": 1e-5,
             "torch_dtype": self.dtype,
         }
+
+
+REAL_PAGE_INTERIOR_OF = connector_module.page_interior_of
+"""The connector's own :func:`~lmtier_connector.vllm.connector.page_interior_of` (on this
+machine's CPU platform: ``"cpu_attn"``), for the tests of the CPU backend's pages."""
+
+
+def _gpu_page_interior(vllm_config: VllmConfig) -> str:
+    del vllm_config
+    return "flash"
+
+
+# The harness stands in for a GPU engine on CPU torch: its fake forward pass writes
+# FlashAttention pages (each slot's K then V, blocks of 16), which vLLM's CPU platform
+# never runs. So the connector is told it runs on CUDA ("flash" pages) in every process
+# that imports the harness (the worker subprocesses too); the tests of the CPU
+# backend's pages put REAL_PAGE_INTERIOR_OF back with monkeypatch.
+connector_module.page_interior_of = _gpu_page_interior
 
 
 GEOMETRY = Geometry()

@@ -298,7 +298,9 @@ def test_block_removed_is_announced_when_the_cpu_tier_evicts(
 
 def test_chunk_layout_follows_the_page_order_vllm_resolved(model_dir: Path, tmp_path: Path) -> None:
     config = make_vllm_config(model_dir, {"config": lmtier_overrides(tmp_path)})
-    assert kv_spec_of(config, "page") == KVSpec(LAYERS, HEADS, HEAD_DIM, "float32", "LBHSC", 16)
+    assert kv_spec_of(config, "page") == KVSpec(
+        LAYERS, HEADS, HEAD_DIM, "float32", "LBHSC", 16, page_interior="flash"
+    )
     config.cache_config.kv_cache_layout = "BLNHC"  # slots before heads (NHD)
     assert kv_spec_of(config, "page").layout == "LBSHC"
     resolved = kv_cache_config(KVCacheLayout.LBHNC)
