@@ -5,7 +5,6 @@ key; the transcoded layouts are refused on the CPU backend."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from lmtier.kv_spec import KVSpec
 with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     warnings.simplefilter("ignore", DeprecationWarning)
     import vllm.platforms as platforms
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from lmtier_connector.vllm import connector
     from support.vllm_helpers import (
@@ -45,10 +45,9 @@ class CudaLike(type(platforms.current_platform)):  # type: ignore[misc]
 
 
 @pytest.fixture(autouse=True)
-def real_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def real_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     """The connector's own page_interior_of (the harness makes it say "flash")."""
     monkeypatch.setattr(connector, "page_interior_of", REAL_PAGE_INTERIOR_OF)
-    yield
 
 
 def page_namespace(spec: KVSpec) -> bytes:
@@ -100,8 +99,6 @@ def test_lkthd_is_refused_on_the_cpu_backend(tmp_path: Path) -> None:
     config = make_vllm_config(
         write_model_dir(tmp_path / "m", geometry=CPU_GEOMETRY), extra, geometry=CPU_GEOMETRY
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: PLC0415
-
     with pytest.raises(ConfigError, match="'page'"):
         connector.LMTierConnector(config, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
 
