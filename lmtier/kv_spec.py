@@ -70,8 +70,8 @@ def torch_dtype(name: str) -> torch.dtype:
 PAGE_INTERIORS: dict[str, str] = {
     "flash": "each slot's row of C holds its K then its V (vLLM's FlashAttention, Triton "
     "and FlexAttention backends; lmtier's own pages)",
-    "cpu_attn": "vLLM's CPU attention backend: each block's (head, slot, C) region is all "
-    "its K rows, then all its V rows, as the CPU kernel writes them",
+    "cpu_attn": "vLLM's CPU attention backend: per block and head, a K region then a V "
+    "region (its [S, 2*D] viewed as [2*S, D]), each arranged as the CPU kernel writes it",
 }
 """How an engine's attention backend arranges K and V inside a page block
 (:attr:`KVSpec.page_interior`): the same page shape holds different bytes under each."""

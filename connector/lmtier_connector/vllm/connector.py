@@ -28,8 +28,8 @@ here is what keys chunks (``chunk_size``, ``hash_algorithm``, ``model_id``...). 
 sidecar that is down costs misses and load errors (recomputed), never a failed step.
 
 Page interior: vLLM's GPU backends (FlashAttention, Triton, FlexAttention, FlashInfer)
-hold each slot's K then V on the last axis of a page block; its CPU backend holds a
-block's K rows, then its V rows, in the same shape. The connector names which one in
+hold each slot's K then V on the last axis of a page block; its CPU backend holds, per
+block and head, a K region then a V region, in the same shape. The connector names which one in
 the namespace of ``page`` chunks (:func:`page_interior_of`, from vLLM's platform, checked
 against the layers' attention backends at ``register_kv_caches``), so a CPU and a GPU
 engine sharing a tier never load each other's pages, and refuses the transcoded layouts
