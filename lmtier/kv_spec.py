@@ -24,6 +24,7 @@ from lmtier.chunks.format import (
     DIGEST_LEN,
     DTYPE_ITEMSIZE,
     LAYOUTS,
+    PAGE_INTERIORS,
     PAGED_LAYOUTS,
     ChunkGeometry,
     ChunkMeta,
@@ -65,16 +66,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"this torch build has no dtype {name!r}")
     return dtype
-
-
-PAGE_INTERIORS: dict[str, str] = {
-    "flash": "each slot's row of C holds its K then its V (vLLM's FlashAttention, Triton "
-    "and FlexAttention backends; lmtier's own pages)",
-    "cpu_attn": "vLLM's CPU attention backend: per block and head, a K region then a V "
-    "region (its [S, 2*D] viewed as [2*S, D]), each arranged as the CPU kernel writes it",
-}
-"""How an engine's attention backend arranges K and V inside a page block
-(:attr:`KVSpec.page_interior`): the same page shape holds different bytes under each."""
 
 
 @dataclass(frozen=True, slots=True)
