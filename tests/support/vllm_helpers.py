@@ -48,7 +48,6 @@ with warnings.catch_warnings():
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    import lmtier_connector.vllm.connector as connector_module
     from lmtier_connector.vllm.common import LMTierConnectorMetadata
     from lmtier_connector.vllm.connector import LMTierConnector
 
@@ -103,24 +102,6 @@ class Geometry:
         }
 
 
-REAL_PAGE_INTERIOR_OF = connector_module.page_interior_of
-"""The connector's own :func:`~lmtier_connector.vllm.connector.page_interior_of` (on this
-machine's CPU platform: ``"cpu_attn"``), for the tests of the CPU backend's pages."""
-
-
-def _gpu_page_interior(vllm_config: VllmConfig) -> str:
-    del vllm_config
-    return "flash"
-
-
-# The harness stands in for a GPU engine on CPU torch: its fake forward pass writes
-# FlashAttention pages (each slot's K then V, blocks of 16), which vLLM's CPU platform
-# never runs. So the connector is told it runs on CUDA ("flash" pages) in every process
-# that imports the harness (the worker subprocesses too); the tests of the CPU
-# backend's pages put REAL_PAGE_INTERIOR_OF back with monkeypatch.
-connector_module.page_interior_of = _gpu_page_interior
-
-
 GEOMETRY = Geometry()
 """The tests' model (LAYERS to PAGE below are its values)."""
 LAYERS, HEADS, HEAD_DIM = GEOMETRY.layers, GEOMETRY.kv_heads, GEOMETRY.head_dim
@@ -153,6 +134,12 @@ def lmtier_overrides(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     return config
 
 
+PAGE_INTERIOR = "flash"
+"""The connector's ``page_interior`` in these tests unless one sets it: the harness
+stands in for a GPU engine on CPU torch, and its fake forward pass writes FlashAttention
+pages (each slot's K then V), which vLLM's CPU platform (``cpu_attn``) never runs. Its
+layers name no attention backend, so the workers have nothing to check it against."""
+
 LOOKUP_WAIT_MS = 60_000
 """The connector's ``lookup_wait_ms`` in these tests unless one sets it: on a loaded
 machine a lookup through Redis or a sidecar can take longer than the 2 ms default, and
@@ -168,11 +155,17 @@ def make_vllm_config(
     num_blocks: int = NUM_BLOCKS,
     geometry: Geometry = GEOMETRY,
     lookup_wait_ms: float | None = LOOKUP_WAIT_MS,
+    page_interior: str | None = PAGE_INTERIOR,
 ) -> VllmConfig:
     """vLLM's config for ``geometry``'s model in ``model_dir``, on the CPU, with our
     connector (``extra``: its ``kv_connector_extra_config``). ``lookup_wait_ms`` (None:
-    the connector's default) unless ``extra`` sets it."""
-    waits = {} if lookup_wait_ms is None else {"lookup_wait_ms": lookup_wait_ms}
+    the connector's default) and ``page_interior`` (None: from vLLM's platform, here
+    ``cpu_attn``) unless ``extra`` sets them."""
+    defaults: dict[str, Any] = {}
+    if lookup_wait_ms is not None:
+        defaults["lookup_wait_ms"] = lookup_wait_ms
+    if page_interior is not None:
+        defaults["page_interior"] = page_interior
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = ModelConfig(
@@ -197,7 +190,7 @@ def make_vllm_config(
                 kv_connector="LMTierConnector",
                 kv_connector_module_path="lmtier_connector.vllm",
                 kv_role="kv_both",
-                kv_connector_extra_config={**waits, **extra},
+                kv_connector_extra_config={**defaults, **extra},
                 # What lmtier's docs advise: a chunk that fails to load is recomputed
                 # (vLLM's default, "fail", fails the request instead).
                 kv_load_failure_policy="recompute",

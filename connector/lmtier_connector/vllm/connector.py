@@ -17,7 +17,9 @@ Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
 ``config_path`` (an lmtier YAML file, else ``$LMTIER_CONFIG``), ``config``
 (overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``,
 ``chunk_layout`` (``page``: chunks in the pages' own order, so saves and loads are
-block copies; ``LKTHD``: the HF adapter's layout), ``async_loads`` and
+block copies; ``LKTHD``: the HF adapter's layout), ``page_interior`` (``flash`` or
+``cpu_attn``: declares the page interior instead of taking it from vLLM's platform),
+``async_loads`` and
 ``lookup_wait_ms`` (loads and lookups off the scheduling step),
 ``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
 ``lmtier serve`` through :func:`lmtier.connect` instead of opening tiers of
@@ -30,8 +32,9 @@ sidecar that is down costs misses and load errors (recomputed), never a failed s
 Page interior: vLLM's GPU backends (FlashAttention, Triton, FlexAttention, FlashInfer)
 hold each slot's K then V on the last axis of a page block; its CPU backend holds, per
 block and head, a K region then a V region, in the same shape. The connector names which one in
-the namespace of ``page`` chunks (:func:`page_interior_of`, from vLLM's platform, checked
-against the layers' attention backends at ``register_kv_caches``), so a CPU and a GPU
+the namespace of ``page`` chunks (:func:`page_interior_of`, from vLLM's platform, unless
+``kv_connector_extra_config.page_interior`` declares it; either way checked against the
+layers' attention backends at ``register_kv_caches``), so a CPU and a GPU
 engine sharing a tier never load each other's pages, and refuses the transcoded layouts
 (``LKTHD``, MLA's ``LTD``) on the CPU backend, whose page interior it cannot transcode.
 
@@ -113,8 +116,9 @@ def page_interior_of(vllm_config: VllmConfig) -> str:
     ``CPU_ATTN``, whatever backend was asked for), ``"flash"`` on CUDA. Any other
     platform is a ConfigError: its backends' pages (ROCm's packed ones, for one) are
     not known to the connector, and guessing would mislabel chunks in a shared tier.
-    Both halves call it, so the scheduler's lookups and the workers' chunks agree; the
-    workers check it against their layers' backends (:func:`check_page_interior`)."""
+    Both halves call it (unless ``kv_connector_extra_config.page_interior`` declares the
+    interior), so the scheduler's lookups and the workers' chunks agree; the workers
+    check it against their layers' backends (:func:`check_page_interior`)."""
     del vllm_config  # the platform decides; the config's backend choice is a request
     from vllm.platforms import current_platform  # noqa: PLC0415
 
@@ -124,7 +128,8 @@ def page_interior_of(vllm_config: VllmConfig) -> str:
         return "flash"
     raise ConfigError(
         f"LMTierConnector knows the KV pages of vLLM's CUDA and CPU attention backends; "
-        f"this platform is {type(current_platform).__name__}"
+        f"this platform is {type(current_platform).__name__} (if its attention backend "
+        f"holds one of those page interiors, set kv_connector_extra_config.page_interior)"
     )
 
 
@@ -137,7 +142,8 @@ def check_page_interior(interior: str, backend_names: Iterable[str]) -> None:
             known = ", ".join(f"{k} ({v})" for k, v in _BACKEND_INTERIORS.items())
             raise ConfigError(
                 f"vLLM's attention backend {name} does not hold the {interior!r} page "
-                f"interior the connector keys chunks by; the connector knows {known}"
+                f"interior the connector keys chunks by (from vLLM's platform, or "
+                f"kv_connector_extra_config.page_interior); the connector knows {known}"
             )
 
 
@@ -365,7 +371,9 @@ class LMTierConnector(KVConnectorBase_V1):
                 f"lmtier chunk_size {config.chunk_size} must be a multiple of vLLM's "
                 f"block size {block_size}"
             )
-        interior = page_interior_of(vllm_config)
+        # Declared (a platform the connector cannot identify, a test harness), else
+        # what vLLM's platform runs; both halves read the same extra config.
+        interior = settings.page_interior or page_interior_of(vllm_config)
         spec = kv_spec_of(vllm_config, settings.chunk_layout, kv_cache_config, interior)
         mla = spec.layout == "LTD"
         # What the worker checks its layers' backends against (MLA pages: no K/V pair).
