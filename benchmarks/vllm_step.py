@@ -116,6 +116,9 @@ class _Engine(Engine):
             num_blocks=num_blocks,
             geometry=GEOMETRY,
             lookup_wait_ms=None,  # the connector's default, as a server runs it
+            # A GPU engine's pages (FlashAttention's interior) on CPU torch: declared, as
+            # vLLM's CPU platform would otherwise key them "cpu_attn".
+            page_interior="flash",
         )
         super().__init__(config, geometry=GEOMETRY)
         self.work = work

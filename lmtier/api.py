@@ -116,6 +116,7 @@ class LMTier:
             tp_size=tp_size,
             tp_rank=tp_rank,
             kv_block_size=kv.block_size,
+            kv_page_interior=kv.page_interior,
         )
         self._namespaces = Namespaces(base)
         self._layout = StoreLayout(

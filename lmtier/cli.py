@@ -137,6 +137,7 @@ def _cmd_keys(args: argparse.Namespace, config: LMTierConfig) -> int:
         kv_dtype=args.kv_dtype,
         kv_layout=args.kv_layout,
         kv_block_size=args.kv_block_size,
+        kv_page_interior=args.kv_page_interior,
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
@@ -172,7 +173,11 @@ def _count(text: str) -> int:
 def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options that name a cache namespace (model, tenant, chunk size, hash, KV
     geometry) to ``parser``: ``keys`` and the commands that compute keys share them."""
-    from lmtier.chunks.format import DTYPE_ITEMSIZE, LAYOUTS  # noqa: PLC0415 - see the imports
+    from lmtier.chunks.format import (  # noqa: PLC0415 - see the imports
+        DTYPE_ITEMSIZE,
+        LAYOUTS,
+        PAGE_INTERIORS,
+    )
     from lmtier.chunks.keys import HASH_ALGORITHMS  # noqa: PLC0415
 
     parser.add_argument("--chunk-size", type=int, help="tokens per chunk (default: config, 256)")
@@ -204,6 +209,13 @@ def add_namespace_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count,
         default=0,
         help="tokens per page block of a paged --kv-layout (LBHSC, LBSHC); 0 for the others",
+    )
+    geometry.add_argument(
+        "--kv-page-interior",
+        choices=sorted(PAGE_INTERIORS),
+        default="",
+        help="how the engine's attention backend lays K and V out in a page block, for a "
+        "paged --kv-layout: flash (vLLM on GPU), cpu_attn (vLLM's CPU backend)",
     )
 
 

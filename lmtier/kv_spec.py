@@ -24,6 +24,7 @@ from lmtier.chunks.format import (
     DIGEST_LEN,
     DTYPE_ITEMSIZE,
     LAYOUTS,
+    PAGE_INTERIORS,
     PAGED_LAYOUTS,
     ChunkGeometry,
     ChunkMeta,
@@ -35,6 +36,7 @@ from lmtier.storage.host_pool import SlabHandle
 
 __all__ = [
     "ChunkFramer",
+    "PAGE_INTERIORS",
     "KVSource",
     "KVSpec",
     "LayerKV",
@@ -74,7 +76,11 @@ class KVSpec:
     and ``head_dim`` is the latent size. The paged layouts (``LBHSC``, ``LBSHC``; K/V
     models only) store whole page blocks of ``block_size`` tokens in the order of the
     engine's pages, so that saving and loading them are block copies: ``block_size``
-    is the engine's page block size there (>= 1), and 0 for every other layout.
+    is the engine's page block size there (>= 1), and 0 for every other layout, and
+    ``page_interior`` (one of :data:`PAGE_INTERIORS`, or ``""``: unspecified) names how
+    the engine's attention backend lays K and V out inside a block, so that pages of
+    equal shape but different bytes (a GPU's and a CPU's) never share a namespace;
+    ``""`` for every non-paged layout.
     """
 
     num_layers: int
@@ -83,6 +89,7 @@ class KVSpec:
     dtype: str = "float32"
     layout: str = "LKTHD"
     block_size: int = 0
+    page_interior: str = ""
 
     def __post_init__(self) -> None:
         dims = (self.num_layers, self.num_kv_heads, self.head_dim)
@@ -110,6 +117,17 @@ class KVSpec:
             raise ValueError(
                 f"block_size={size} applies to the paged layouts {sorted(PAGED_LAYOUTS)} "
                 f"only; {self.layout} needs block_size=0"
+            )
+        interior = self.page_interior
+        if interior and (not isinstance(interior, str) or interior not in PAGE_INTERIORS):
+            raise ValueError(
+                f"page_interior must be one of {sorted(PAGE_INTERIORS)} (or empty), "
+                f"got {interior!r:.40}"
+            )
+        if interior and not self.paged:
+            raise ValueError(
+                f"page_interior={interior!r} applies to the paged layouts "
+                f"{sorted(PAGED_LAYOUTS)} only; {self.layout} needs page_interior=''"
             )
 
     @classmethod

@@ -73,6 +73,7 @@ __all__ = [
     "MAGIC",
     "MAX_HEADER_LEN",
     "PAGED_LAYOUTS",
+    "PAGE_INTERIORS",
     "PAYLOAD_ALIGN",
     "PREFIX",
     "PREFIX_LEN",
@@ -137,6 +138,16 @@ LAYOUTS: Mapping[str, str] = MappingProxyType(
 PAGED_LAYOUTS = frozenset(("LBHSC", "LBSHC"))
 """The layouts that hold whole page blocks (B blocks of S token slots) instead of a token
 axis: a chunk of them holds ``B * S`` tokens, and C (K then V) must be even."""
+PAGE_INTERIORS: Mapping[str, str] = MappingProxyType(
+    {
+        "flash": "each slot's row of C holds its K then its V (vLLM's FlashAttention, Triton "
+        "and FlexAttention backends; lmtier's own pages)",
+        "cpu_attn": "vLLM's CPU attention backend: per block and head, a K region then a V "
+        "region (its [S, 2*D] viewed as [2*S, D]), each arranged as the CPU kernel writes it",
+    }
+)
+"""How an engine's attention backend arranges K and V inside a page block
+(:attr:`KVSpec.page_interior`): the same page shape holds different bytes under each."""
 
 # Limits handed to msgpack so a hostile header cannot make it allocate much: the
 # longest legal string is a dtype name, the longest array a 5-axis shape.

@@ -7,7 +7,8 @@ tier on any machine stands for exactly one prefix under one namespace::
     ns   = xxh3_128(msgpack([tag, version, model_id, revision, kv_dtype, kv_layout,
                               num_layers, num_kv_heads, head_dim, chunk_size,
                               tp_size, tp_rank, format_version, cache_salt
-                              (, kv_block_size: only when nonzero)]))
+                              (, kv_block_size: only when nonzero)
+                              (, kv_page_interior: only when set)]))
     k[0] = xxh3_128(ns     || w || tokens[0:C]       || extra[0])
     k[i] = xxh3_128(k[i-1] || w || tokens[iC:(i+1)C] || extra[i])
 
@@ -24,9 +25,9 @@ one tenant's cache can be listed, expired or deleted without touching the rest.
 
 Everything that makes KV differ for equal tokens is in the namespace digest, so a
 new model revision, dtype, layout, KV geometry (layers, KV heads, head size; the page
-block size of a paged layout), TP rank or tenant (``cache_salt``) matches no old key:
-invalidation and isolation are one mechanism. Python's ``hash()`` is never used (it
-is salted per process).
+block size and the attention backend's page interior of a paged layout), TP rank or
+tenant (``cache_salt``) matches no old key: invalidation and isolation are one
+mechanism. Python's ``hash()`` is never used (it is salted per process).
 
 A second, vLLM-compatible algorithm lives in :mod:`lmtier.chunks.vllm_hash`; both satisfy
 the :class:`ChunkHasher` protocol and are chosen with
@@ -120,8 +121,11 @@ class Namespace:
     shard), ``format_version`` (of the chunk format), ``cache_salt`` (a tenant's
     secret; equal salts share, others never do), ``kv_block_size`` (tokens per page
     block of a paged layout, ``KVSpec.block_size``; 0 otherwise, and then left out of
-    the digest, so namespaces from before it keep their keys). A field of the wrong
-    type is a ConfigError naming it.
+    the digest, so namespaces from before it keep their keys), ``kv_page_interior``
+    (how the engine's attention backend arranges K and V inside a page block,
+    ``KVSpec.page_interior``: ``"flash"`` or ``"cpu_attn"``; set only with a paged
+    layout, else ``""`` and left out of the digest). A field of the wrong type is a
+    ConfigError naming it.
     """
 
     model_id: str
@@ -137,10 +141,12 @@ class Namespace:
     format_version: int = FORMAT_VERSION
     cache_salt: str = ""
     kv_block_size: int = 0
+    kv_page_interior: str = ""
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "model_revision", "kv_dtype", "kv_layout", "cache_salt"):
+        strings = ("model_id", "model_revision", "kv_dtype", "kv_layout", "cache_salt")
+        for name in (*strings, "kv_page_interior"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ConfigError(f"{name} must be a str, got {type(value).__name__}")
@@ -153,6 +159,11 @@ class Namespace:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
+        if self.kv_page_interior and not self.kv_block_size:
+            raise ConfigError(
+                f"kv_page_interior {self.kv_page_interior!r} applies to paged layouts only "
+                "(set with kv_block_size)"
+            )
         fields: list[object] = [
             _NAMESPACE_TAG,
             _NAMESPACE_SCHEME_VERSION,
@@ -171,6 +182,8 @@ class Namespace:
         ]
         if self.kv_block_size:  # appended only when set: every older digest stays as it was
             fields.append(self.kv_block_size)
+        if self.kv_page_interior:  # likewise: page namespaces without it keep their keys
+            fields.append(self.kv_page_interior)
         encoded = msgpack.packb(fields, use_bin_type=True)
         object.__setattr__(self, "digest", xxhash.xxh3_128_digest(encoded))
 
@@ -182,6 +195,7 @@ class Namespace:
             f"kv_dtype={self.kv_dtype!r}, kv_layout={self.kv_layout!r}, "
             f"kv_geometry={self.num_layers}x{self.num_kv_heads}x{self.head_dim}, "
             f"kv_block_size={self.kv_block_size}, "
+            f"kv_page_interior={self.kv_page_interior!r}, "
             f"chunk_size={self.chunk_size}, tp={self.tp_rank}/{self.tp_size}, "
             f"format_version={self.format_version}, cache_salt={salt}, "
             f"id={self.digest.hex()[:12]})"

@@ -71,7 +71,12 @@ def resolve_model(args: argparse.Namespace, config: LMTierConfig) -> ResolvedMod
         )
     try:
         layout = getattr(args, "kv_layout", None) or "LKTHD"
-        spec = KVSpec(**fields, layout=layout, block_size=getattr(args, "kv_block_size", 0))
+        spec = KVSpec(
+            **fields,
+            layout=layout,
+            block_size=getattr(args, "kv_block_size", 0),
+            page_interior=getattr(args, "kv_page_interior", ""),
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     changes: dict[str, Any] = {}

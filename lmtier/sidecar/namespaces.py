@@ -102,6 +102,7 @@ class SessionSpace:
                 dtype=message.kv_dtype or "float32",
                 layout=message.kv_layout or "LKTHD",
                 block_size=message.kv_block_size,
+                page_interior=message.kv_page_interior,
             )
         except ValueError as exc:
             raise InvalidRequestError(f"namespace: {exc}") from None
@@ -128,6 +129,7 @@ class SessionSpace:
             tp_rank=message.tp_rank,
             cache_salt=message.cache_salt,
             kv_block_size=spec.block_size,
+            kv_page_interior=spec.page_interior,
         )
         return cls(namespace, spec, message.chunk_size)
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Namespace(_message.Message):
-    __slots__ = ("model_id", "model_revision", "kv_dtype", "kv_layout", "num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank", "cache_salt", "kv_block_size")
+    __slots__ = ("model_id", "model_revision", "kv_dtype", "kv_layout", "num_layers", "num_kv_heads", "head_dim", "chunk_size", "tp_size", "tp_rank", "cache_salt", "kv_block_size", "kv_page_interior")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class Namespace(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_INTERIOR_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_revision: str
     kv_dtype: str
@@ -32,7 +33,8 @@ class Namespace(_message.Message):
     tp_rank: int
     cache_salt: str
     kv_block_size: int
-    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
+    kv_page_interior: str
+    def __init__(self, model_id: _Optional[str] = ..., model_revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., chunk_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_page_interior: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("namespace", "shared_memory", "client_name")

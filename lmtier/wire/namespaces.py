@@ -27,4 +27,5 @@ def to_wire(namespace: Namespace) -> pb.Namespace:
         tp_rank=namespace.tp_rank,
         cache_salt=namespace.cache_salt,
         kv_block_size=namespace.kv_block_size,
+        kv_page_interior=namespace.kv_page_interior,
     )

@@ -134,6 +134,12 @@ def lmtier_overrides(tmp_path: Path, **extra: Any) -> dict[str, Any]:
     return config
 
 
+PAGE_INTERIOR = "flash"
+"""The connector's ``page_interior`` in these tests unless one sets it: the harness
+stands in for a GPU engine on CPU torch, and its fake forward pass writes FlashAttention
+pages (each slot's K then V), which vLLM's CPU platform (``cpu_attn``) never runs. Its
+layers name no attention backend, so the workers have nothing to check it against."""
+
 LOOKUP_WAIT_MS = 60_000
 """The connector's ``lookup_wait_ms`` in these tests unless one sets it: on a loaded
 machine a lookup through Redis or a sidecar can take longer than the 2 ms default, and
@@ -149,11 +155,17 @@ def make_vllm_config(
     num_blocks: int = NUM_BLOCKS,
     geometry: Geometry = GEOMETRY,
     lookup_wait_ms: float | None = LOOKUP_WAIT_MS,
+    page_interior: str | None = PAGE_INTERIOR,
 ) -> VllmConfig:
     """vLLM's config for ``geometry``'s model in ``model_dir``, on the CPU, with our
     connector (``extra``: its ``kv_connector_extra_config``). ``lookup_wait_ms`` (None:
-    the connector's default) unless ``extra`` sets it."""
-    waits = {} if lookup_wait_ms is None else {"lookup_wait_ms": lookup_wait_ms}
+    the connector's default) and ``page_interior`` (None: from vLLM's platform, here
+    ``cpu_attn``) unless ``extra`` sets them."""
+    defaults: dict[str, Any] = {}
+    if lookup_wait_ms is not None:
+        defaults["lookup_wait_ms"] = lookup_wait_ms
+    if page_interior is not None:
+        defaults["page_interior"] = page_interior
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = ModelConfig(
@@ -178,7 +190,7 @@ def make_vllm_config(
                 kv_connector="LMTierConnector",
                 kv_connector_module_path="lmtier_connector.vllm",
                 kv_role="kv_both",
-                kv_connector_extra_config={**waits, **extra},
+                kv_connector_extra_config={**defaults, **extra},
                 # What lmtier's docs advise: a chunk that fails to load is recomputed
                 # (vLLM's default, "fail", fails the request instead).
                 kv_load_failure_policy="recompute",

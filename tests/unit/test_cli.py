@@ -56,6 +56,20 @@ def test_keys_of_a_paged_layout_carry_its_block_size() -> None:
     assert set(other.split()).isdisjoint(out.split())
 
 
+def test_keys_of_a_paged_layout_carry_its_page_interior() -> None:
+    tokens = " ".join(map(str, range(32)))
+    args = ["keys", "--chunk-size", "16", "--model-id", "m", "--kv-layout", "LBHSC"]
+    args += ["--kv-block-size", "8"]
+    code, cpu, _ = run_cli([*args, "--kv-page-interior", "cpu_attn"], stdin=tokens)
+    assert code == 0
+    namespace = Namespace(
+        model_id="m", chunk_size=16, kv_layout="LBHSC", kv_block_size=8, kv_page_interior="cpu_attn"
+    )
+    assert cpu.split() == [k.hex() for k in chunk_keys(list(range(32)), namespace)]
+    _, gpu, _ = run_cli([*args, "--kv-page-interior", "flash"], stdin=tokens)
+    assert set(gpu.split()).isdisjoint(cpu.split())
+
+
 def test_keys_from_a_file_in_vllm_mode(tmp_path: Path) -> None:
     path = tmp_path / "prompt.txt"
     path.write_text(" ".join(str(i) for i in range(64)))

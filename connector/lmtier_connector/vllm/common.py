@@ -31,6 +31,7 @@ __all__ = [
     "LMTierConnectorMetadata",
     "LMTierKVEvents",
     "LoadSpec",
+    "PageInterior",
     "SaveSpec",
     "SidecarSettings",
     "chunk_keys",
@@ -57,6 +58,12 @@ ChunkLayout = Literal["page", "LKTHD"]
 load are block copies), or ``LKTHD`` (tokens before heads: the layout the HF adapter
 and ``lmtier demo`` store, so the two can share chunks; every copy is a transpose)."""
 
+PageInterior = Literal["flash", "cpu_attn"]
+"""How the attention backend lays K and V out inside a page block (one of
+:data:`lmtier.kv_spec.PAGE_INTERIORS`): ``flash``, each slot's K then its V on the last
+axis (vLLM's GPU backends), or ``cpu_attn``, per block and head a K region then a V
+region (vLLM's CPU backend). Part of the namespace of ``page`` chunks."""
+
 AsyncLoads = Literal["auto", "always", "never"]
 """When loads run in the background (vLLM keeps the request waiting meanwhile):
 ``auto`` when some chunk of the hit lies below host memory (disk, Redis, S3, a
@@ -77,6 +84,11 @@ class ConnectorSettings:
     ``sidecar_token_file``), ``sidecar_shared_memory`` (default true) and
     ``sidecar_timeout_s`` (each call's deadline, default 10).
     ``chunk_layout`` (:data:`ChunkLayout`, default ``page``).
+    ``page_interior`` (:data:`PageInterior`; None, the default: from vLLM's platform,
+    :func:`lmtier_connector.vllm.connector.page_interior_of`): the page interior to key
+    ``page`` chunks by, for a platform the connector cannot identify whose backend holds
+    one of these interiors, and for test harnesses that write GPU pages on CPU torch.
+    Workers still check it against their layers' attention backends.
     ``async_loads`` (:data:`AsyncLoads`, default ``auto``). ``lookup_wait_ms``: how
     long a lookup that needs a remote tier may hold the scheduler (default 2 ms);
     past it vLLM is told "not yet" and asks again next step, when the answer that
@@ -91,13 +103,14 @@ class ConnectorSettings:
     async_loads: AsyncLoads = "auto"
     lookup_wait_ms: float = 2.0
     chunk_layout: ChunkLayout = "page"
+    page_interior: PageInterior | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
         known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
         known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
         known |= {"sidecar_timeout_s"}
-        known |= {"async_loads", "lookup_wait_ms", "chunk_layout"}
+        known |= {"async_loads", "lookup_wait_ms", "chunk_layout", "page_interior"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -122,6 +135,11 @@ class ConnectorSettings:
                 lambda v: 0 <= v <= 60_000,
             ),
             chunk_layout=_choice(extra.get("chunk_layout", "page"), "chunk_layout", ChunkLayout),
+            page_interior=(
+                _choice(extra["page_interior"], "page_interior", PageInterior)
+                if "page_interior" in extra
+                else None
+            ),
         )
 
 

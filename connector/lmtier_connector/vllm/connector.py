@@ -17,7 +17,9 @@ Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
 ``config_path`` (an lmtier YAML file, else ``$LMTIER_CONFIG``), ``config``
 (overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``,
 ``chunk_layout`` (``page``: chunks in the pages' own order, so saves and loads are
-block copies; ``LKTHD``: the HF adapter's layout), ``async_loads`` and
+block copies; ``LKTHD``: the HF adapter's layout), ``page_interior`` (``flash`` or
+``cpu_attn``: declares the page interior instead of taking it from vLLM's platform),
+``async_loads`` and
 ``lookup_wait_ms`` (loads and lookups off the scheduling step),
 ``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
 ``lmtier serve`` through :func:`lmtier.connect` instead of opening tiers of
@@ -26,6 +28,15 @@ its own; ``sidecar_token`` or ``sidecar_token_file``, ``sidecar_shared_memory``,
 Over a sidecar the config's tier sections are the sidecar's business; what matters
 here is what keys chunks (``chunk_size``, ``hash_algorithm``, ``model_id``...). A
 sidecar that is down costs misses and load errors (recomputed), never a failed step.
+
+Page interior: vLLM's GPU backends (FlashAttention, Triton, FlexAttention, FlashInfer)
+hold each slot's K then V on the last axis of a page block; its CPU backend holds, per
+block and head, a K region then a V region, in the same shape. The connector names which one in
+the namespace of ``page`` chunks (:func:`page_interior_of`, from vLLM's platform, unless
+``kv_connector_extra_config.page_interior`` declares it; either way checked against the
+layers' attention backends at ``register_kv_caches``), so a CPU and a GPU
+engine sharing a tier never load each other's pages, and refuses the transcoded layouts
+(``LKTHD``, MLA's ``LTD``) on the CPU backend, whose page interior it cannot transcode.
 
 Tensor parallelism: each rank stores its own shard under a namespace naming its
 rank. MLA caches one latent per token, the same on every rank: only rank 0 saves,
@@ -78,22 +89,78 @@ if TYPE_CHECKING:
 __all__ = [
     "LMTierConnector",
     "check_kv_cache_groups",
+    "check_page_interior",
     "kv_spec_of",
     "lmtier_config_of",
+    "page_interior_of",
     "tp_rank_of",
 ]
 
 logger = logging.getLogger(__name__)
 
 
+_BACKEND_INTERIORS = {
+    "FLASH_ATTN": "flash",
+    "TRITON_ATTN": "flash",
+    "FLEX_ATTENTION": "flash",
+    "FLASHINFER": "flash",
+    "CPU_ATTN": "cpu_attn",
+}
+"""The page interior (:data:`lmtier.kv_spec.PAGE_INTERIORS`) of each vLLM attention
+backend (``get_name()``) whose K/V pages the connector knows."""
+
+
+def page_interior_of(vllm_config: VllmConfig) -> str:
+    """How the attention backend vLLM runs on this platform lays K and V out inside a
+    page block: ``"cpu_attn"`` on vLLM's CPU platform (whose only K/V backend is
+    ``CPU_ATTN``, whatever backend was asked for), ``"flash"`` on CUDA. Any other
+    platform is a ConfigError: its backends' pages (ROCm's packed ones, for one) are
+    not known to the connector, and guessing would mislabel chunks in a shared tier.
+    Both halves call it (unless ``kv_connector_extra_config.page_interior`` declares the
+    interior), so the scheduler's lookups and the workers' chunks agree; the workers
+    check it against their layers' backends (:func:`check_page_interior`)."""
+    del vllm_config  # the platform decides; the config's backend choice is a request
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    if current_platform.is_cpu():
+        return "cpu_attn"
+    if current_platform.is_cuda():
+        return "flash"
+    raise ConfigError(
+        f"LMTierConnector knows the KV pages of vLLM's CUDA and CPU attention backends; "
+        f"this platform is {type(current_platform).__name__} (if its attention backend "
+        f"holds one of those page interiors, set kv_connector_extra_config.page_interior)"
+    )
+
+
+def check_page_interior(interior: str, backend_names: Iterable[str]) -> None:
+    """ConfigError unless every attention backend in ``backend_names`` (vLLM's
+    ``get_name()`` of this worker's layers) holds pages with ``interior``."""
+    for name in sorted(set(backend_names)):
+        found = _BACKEND_INTERIORS.get(name)
+        if found != interior:
+            known = ", ".join(f"{k} ({v})" for k, v in _BACKEND_INTERIORS.items())
+            raise ConfigError(
+                f"vLLM's attention backend {name} does not hold the {interior!r} page "
+                f"interior the connector keys chunks by (from vLLM's platform, or "
+                f"kv_connector_extra_config.page_interior); the connector knows {known}"
+            )
+
+
 def kv_spec_of(
     vllm_config: VllmConfig,
     chunk_layout: ChunkLayout = "LKTHD",
     kv_cache_config: KVCacheConfig | None = None,
+    page_interior: str | None = None,
 ) -> KVSpec:
     """The KV geometry of one worker: its layers, its share of the KV heads, its dtype,
     and how its chunks hold KV (``chunk_layout``; MLA is always ``LTD``, which already
     is its pages' token-major order).
+
+    ``page_interior`` (default :func:`page_interior_of`) names the attention backend's
+    arrangement of K and V inside a block: part of a ``page`` spec (and so of its
+    namespace). The transcoded layouts (``LKTHD``, ``LTD``) read pages as ``flash``
+    ones: on ``cpu_attn`` they are a ConfigError that names ``chunk_layout: page``.
 
     ``page`` follows the physical order vLLM resolved for its pages
     (``KVCacheConfig.kv_cache_layout``, else ``CacheConfig.kv_cache_layout``, else
@@ -102,7 +169,15 @@ def kv_spec_of(
     Both halves read the same config, so they agree; where it is unknown, ``LBHSC`` (a
     different physical order is still copied right, with strided copies).
     """
+    interior = page_interior_of(vllm_config) if page_interior is None else page_interior
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if interior != "flash" and (model.use_mla or chunk_layout != "page"):
+        what = "MLA models (always transcoded to LTD)" if model.use_mla else "LKTHD"
+        raise ConfigError(
+            f"LMTierConnector cannot transcode vLLM's {interior!r} pages (the CPU attention "
+            f"backend) for {what}: set kv_connector_extra_config.chunk_layout to 'page'"
+            + (" (and a model without MLA)" if model.use_mla else "")
+        )
     dtype = get_kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
     name = str(dtype).removeprefix("torch.")
     layers = model.get_num_layers(parallel)
@@ -117,7 +192,15 @@ def kv_spec_of(
     slots_first = order is not None and order.find("N") < order.find("H")
     layout = "LBSHC" if slots_first else "LBHSC"
     block_size = vllm_config.cache_config.block_size
-    return KVSpec(layers, heads, model.get_head_size(), name, layout=layout, block_size=block_size)
+    return KVSpec(
+        layers,
+        heads,
+        model.get_head_size(),
+        name,
+        layout=layout,
+        block_size=block_size,
+        page_interior=interior,
+    )
 
 
 def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
@@ -288,8 +371,13 @@ class LMTierConnector(KVConnectorBase_V1):
                 f"lmtier chunk_size {config.chunk_size} must be a multiple of vLLM's "
                 f"block size {block_size}"
             )
-        spec = kv_spec_of(vllm_config, settings.chunk_layout, kv_cache_config)
+        # Declared (a platform the connector cannot identify, a test harness), else
+        # what vLLM's platform runs; both halves read the same extra config.
+        interior = settings.page_interior or page_interior_of(vllm_config)
+        spec = kv_spec_of(vllm_config, settings.chunk_layout, kv_cache_config, interior)
         mla = spec.layout == "LTD"
+        # What the worker checks its layers' backends against (MLA pages: no K/V pair).
+        self._page_interior = None if mla else interior
         tp_size = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
         rank = tp_rank_of(vllm_config) if role == KVConnectorRole.WORKER else 0
         model = vllm_config.model_config
@@ -371,7 +459,19 @@ class LMTierConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        worker = self._work()
+        if self._page_interior is not None:
+            # The model is loaded: its layers name the backends that write these pages.
+            layers = self._vllm_config.compilation_config.static_forward_context
+            check_page_interior(
+                self._page_interior,
+                (
+                    layer.attn_backend.get_name()
+                    for name, layer in layers.items()
+                    if name in kv_caches and getattr(layer, "attn_backend", None) is not None
+                ),
+            )
+        worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, LMTierConnectorMetadata):

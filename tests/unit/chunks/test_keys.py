@@ -256,6 +256,24 @@ def test_the_page_block_size_keys_only_when_set() -> None:
         Namespace(model_id="m", kv_block_size=-16)
 
 
+def test_the_page_interior_keys_paged_namespaces_only_when_set() -> None:
+    """A CPU page and a GPU page of one model, equal in shape, order and block size,
+    have different namespaces; unset, the digest is the one from before it (so every
+    non-paged golden above holds); it needs a paged layout's block size."""
+    paged = dataclasses.replace(GOLDEN_NAMESPACE, kv_layout="LBHSC", kv_block_size=32)
+    cpu = dataclasses.replace(paged, kv_page_interior="cpu_attn")
+    gpu = dataclasses.replace(paged, kv_page_interior="flash")
+    assert len({paged.digest, cpu.digest, gpu.digest}) == 3
+    fields = ["lmtier.namespace", 2, "golden-model", "r1", "float32", "LBHSC"]
+    fields += [2, 4, 8, 4, 1, 0, 3, "", 32, "cpu_attn"]  # ..., block size, then interior
+    assert cpu.digest == xxhash.xxh3_128_digest(msgpack.packb(fields, use_bin_type=True))
+    assert "kv_page_interior='cpu_attn'" in repr(cpu)
+    with pytest.raises(ConfigError, match="kv_page_interior"):
+        Namespace(model_id="m", kv_page_interior="flash")  # no paged layout
+    with pytest.raises(ConfigError, match="kv_page_interior"):
+        Namespace(model_id="m", kv_block_size=16, kv_page_interior=1)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "bad",
     [

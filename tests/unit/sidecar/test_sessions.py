@@ -150,6 +150,8 @@ def test_a_principal_may_commit_into_namespaces_it_opened_only() -> None:
         ({"kv_layout": "LBHSC", "kv_block_size": 3}, "does not divide chunk_size"),
         ({"kv_layout": "LBSHC", "kv_block_size": 32}, "does not divide chunk_size"),
         ({"kv_block_size": 16}, "block_size"),
+        ({"kv_page_interior": "flash"}, "page_interior"),
+        ({"kv_layout": "LBHSC", "kv_block_size": 16, "kv_page_interior": "rocm"}, "interior"),
     ],
 )
 def test_bad_namespaces_are_refused(changes: dict[str, object], message: str) -> None:
@@ -171,6 +173,17 @@ def test_a_paged_namespace_carries_its_block_size_both_ways() -> None:
     assert built.geometry.shape == (2, 2, 8, 2, 16)  # L, B, S, H, C of 16 tokens
     assert built.digest != space(kv_layout="LBSHC", kv_block_size=16, cache_salt="t").digest
     assert to_wire(space().namespace).kv_block_size == 0
+
+
+def test_a_paged_namespace_carries_its_page_interior_both_ways() -> None:
+    cpu = space(kv_layout="LBHSC", kv_block_size=16, kv_page_interior="cpu_attn")
+    assert cpu.spec.page_interior == "cpu_attn"
+    assert to_wire(cpu.namespace).kv_page_interior == "cpu_attn"
+    assert SessionSpace.from_wire(to_wire(cpu.namespace)).digest == cpu.digest
+    gpu = space(kv_layout="LBHSC", kv_block_size=16, kv_page_interior="flash")
+    unset = space(kv_layout="LBHSC", kv_block_size=16)  # an older client
+    assert len({cpu.digest, gpu.digest, unset.digest}) == 3
+    assert to_wire(space().namespace).kv_page_interior == ""
 
 
 def test_keys_must_be_whole_and_of_the_session_namespace() -> None:

@@ -14,6 +14,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ with warnings.catch_warnings():
     from lmtier.errors import ConfigError
     from lmtier.kv_spec import KVSpec
     from lmtier_connector.vllm.common import ConnectorSettings, chunk_keys
-    from lmtier_connector.vllm.connector import kv_spec_of
+    from lmtier_connector.vllm.connector import kv_spec_of as connector_kv_spec_of
     from support.vllm_helpers import (
         BLOCK,
         CHUNK,
@@ -298,7 +299,15 @@ def test_block_removed_is_announced_when_the_cpu_tier_evicts(
 
 def test_chunk_layout_follows_the_page_order_vllm_resolved(model_dir: Path, tmp_path: Path) -> None:
     config = make_vllm_config(model_dir, {"config": lmtier_overrides(tmp_path)})
-    assert kv_spec_of(config, "page") == KVSpec(LAYERS, HEADS, HEAD_DIM, "float32", "LBHSC", 16)
+
+    def kv_spec_of(*args: Any) -> KVSpec:
+        # The harness's GPU pages: what the connector takes from the config's declared
+        # page_interior (kv_spec_of's own default is vLLM's platform, here cpu_attn).
+        return connector_kv_spec_of(*args, page_interior="flash")
+
+    assert kv_spec_of(config, "page") == KVSpec(
+        LAYERS, HEADS, HEAD_DIM, "float32", "LBHSC", 16, page_interior="flash"
+    )
     config.cache_config.kv_cache_layout = "BLNHC"  # slots before heads (NHD)
     assert kv_spec_of(config, "page").layout == "LBSHC"
     resolved = kv_cache_config(KVCacheLayout.LBHNC)
