@@ -343,28 +343,6 @@ class HostPool:
             self._refcounts[index] = 1
         return SlabHandle(self, index)
 
-    def acquire_many(self, n: int) -> list[SlabHandle] | None:
-        """Lease ``n`` free slabs, or none at all (``None``) if fewer than ``n`` are free.
-
-        Asking for more slabs than the pool has is a :class:`CapacityError`: no amount
-        of eviction could satisfy it, and retrying would loop forever.
-        """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if n > self._num_slabs:
-            raise CapacityError(f"cannot lease {n} slabs from a pool of {self._num_slabs}")
-        with self._lock:
-            self._check_open()
-            if len(self._free) < n:
-                return None
-            split = len(self._free) - n
-            indices = self._free[split:]
-            del self._free[split:]
-            for index in indices:
-                self._refcounts[index] = 1
-        indices.reverse()  # the order n calls to acquire() would give
-        return [SlabHandle(self, index) for index in indices]
-
     def close(self) -> None:
         """Drop the region; later use of any handle raises. Idempotent.
 

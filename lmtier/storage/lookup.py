@@ -34,13 +34,6 @@ class Lookup:
     num_chunks: int
     spans: tuple[TierSpan, ...]
 
-    def tier_of(self, index: int) -> str | None:
-        """Name of the tier that serves chunk ``index``, or None past the hit prefix."""
-        for span in self.spans:
-            if span.start <= index < span.stop:
-                return span.tier
-        return None
-
 
 @dataclass(slots=True)
 class LoadedChunk:

@@ -414,12 +414,6 @@ class TransferEngine:
             runs = _make_runs(pages, block_ids, counts, unique=False)
         return SaveHandle(pages, runs, views, stream, self._timing)
 
-    def start_save(self, block_ids: Sequence[BlockIds], outs: Sequence[torch.Tensor]) -> SaveHandle:
-        """Save every layer of the runs into ``outs`` (:meth:`begin_save` + ``save_all``)."""
-        handle = self.begin_save(block_ids, outs)
-        handle.save_all()
-        return handle
-
     def _check_host_buffers(self, views: Sequence[torch.Tensor]) -> None:
         for view in views:
             if view.device != self._pages.device and not (
