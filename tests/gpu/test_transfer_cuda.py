@@ -41,8 +41,9 @@ def host_copy(pages: PagedKVCache, ids: list[int], num_tokens: int) -> torch.Ten
 
 def slabs(spec: KVSpec, count: int, chunk_tokens: int) -> tuple[HostPool, list[SlabHandle]]:
     pool = HostPool(spec.encoded_chunk_bytes(chunk_tokens), count, pin=True)
-    handles = pool.acquire_many(count)
-    assert pool.pinned and handles is not None
+    leases = [pool.acquire() for _ in range(count)]
+    handles = [handle for handle in leases if handle is not None]
+    assert pool.pinned and len(handles) == count
     return pool, handles
 
 
@@ -62,7 +63,8 @@ def test_async_save_then_load_round_trip_through_pinned_slabs() -> None:
     outs = [payload_tensor(h, m) for h, m in zip(handles, metas, strict=True)]
     assert all(out.is_pinned() for out in outs)
 
-    save = engine.start_save(runs, outs)
+    save = engine.begin_save(runs, outs)
+    save.save_all()
     save.wait()
     assert save.done()
     chunks = [decode(h.view[: seal_slab(h, m)]) for h, m in zip(handles, metas, strict=True)]
@@ -129,13 +131,16 @@ def test_saves_do_not_block_the_host_and_wait_for_compute() -> None:
     pool, handles = slabs(spec, 1, 256)
     out = payload_tensor(handles[0], spec.meta(KEY, 256))
     engine = TransferEngine(pages)
-    engine.start_save([list(range(16))], [out]).wait()  # warm up kernels and allocations
+    warm_up = engine.begin_save([list(range(16))], [out])  # kernels and allocations
+    warm_up.save_all()
+    warm_up.wait()
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     for _ in range(20):  # tens of ms of work on the compute stream
         busy = busy @ busy / 8192
     begin = time.perf_counter()
-    save = engine.start_save([list(range(16))], [out])
+    save = engine.begin_save([list(range(16))], [out])
+    save.save_all()
     enqueue_s = time.perf_counter() - begin
     assert not save.done()  # the save stream waits for the compute enqueued before it
     save.wait()
@@ -154,7 +159,7 @@ def test_async_paths_refuse_pageable_or_non_layer_major_host_chunks() -> None:
     engine = TransferEngine(PagedKVCache(kv_first, 8, 16, device="cuda"))
     pinned = torch.empty(kv_first.shape(16), dtype=torch.float16).pin_memory()
     with pytest.raises(ValueError, match="layer-major"):
-        engine.start_save([[0]], [pinned])
+        engine.begin_save([[0]], [pinned])
 
 
 # --- paged chunk layouts (LBHSC, LBSHC): block copies between vLLM pages and slabs --------
@@ -211,12 +216,15 @@ def test_paged_saves_wait_for_compute_and_refuse_pageable_chunks() -> None:
     pool, handles = slabs(spec, 1, 256)
     out = payload_tensor(handles[0], spec.meta(KEY, 256))
     engine = TransferEngine(pages)
-    engine.start_save([list(range(16))], [out]).wait()  # warm up kernels and allocations
+    warm_up = engine.begin_save([list(range(16))], [out])  # kernels and allocations
+    warm_up.save_all()
+    warm_up.wait()
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     for _ in range(20):
         busy = busy @ busy / 8192
-    save = engine.start_save([list(range(16))], [out])
+    save = engine.begin_save([list(range(16))], [out])
+    save.save_all()
     assert not save.done()
     save.wait()
     assert torch.equal(out, host_copy(pages, list(range(16)), 256))

@@ -436,7 +436,8 @@ def test_save_handle_on_cpu_layer_by_layer(stacked: bool) -> None:
         assert same_bits(out, expected_chunk(pages, run, out.shape[2]))
 
     again = [torch.zeros_like(out) for out in outs]
-    whole = engine.start_save(runs, again)
+    whole = engine.begin_save(runs, again)
+    whole.save_all()
     assert whole.done() and whole.pending_layers == []
     assert all(same_bits(a, b) for a, b in zip(again, outs, strict=True))
 

@@ -242,7 +242,9 @@ def test_layerwise_saves_equal_whole_saves_and_loads_land(layout: str, stacked: 
     handle.wait()
     assert handle.done()
     whole = [torch.zeros_like(out) for out in outs]
-    engine.start_save(runs, whole).wait()
+    whole_save = engine.begin_save(runs, whole)  # every layer at once, in one save_all
+    whole_save.save_all()
+    whole_save.wait()
     for run, out, again in zip(runs, outs, whole, strict=True):
         assert same_bits(out, reference(layers, layout, run))
         assert same_bits(again, out)

@@ -22,6 +22,13 @@ def address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+def leased(pool: HostPool, n: int) -> list[SlabHandle]:
+    """``n`` slabs leased one at a time with acquire(), which must not run out."""
+    handles = [pool.acquire() for _ in range(n)]
+    assert all(handle is not None for handle in handles), "the pool ran out"
+    return [handle for handle in handles if handle is not None]
+
+
 def test_acquire_until_exhausted_then_none_and_release_returns_the_slab() -> None:
     pool = HostPool(100, 3, pin=False)
     handles = [pool.acquire() for _ in range(3)]
@@ -65,8 +72,7 @@ def test_slab_is_freed_only_after_its_last_lease() -> None:
 
 def test_double_release_raises_and_names_the_slab() -> None:
     pool = HostPool(64, 4, pin=False)
-    handles = pool.acquire_many(3)
-    assert handles is not None
+    handles = leased(pool, 3)
     victim = handles[2]
     shared = victim.share()
     victim.release()
@@ -106,8 +112,7 @@ def test_every_slab_is_aligned_and_sized(slab_bytes: int, align: int) -> None:
     assert pool.slab_bytes % align == 0
     assert slab_bytes <= pool.slab_bytes < slab_bytes + align
     assert pool.nbytes == 5 * pool.slab_bytes
-    handles = pool.acquire_many(5)
-    assert handles is not None
+    handles = leased(pool, 5)
     for h in handles:
         assert h.tensor.data_ptr() % align == 0
         assert address(h.view) == h.tensor.data_ptr()
@@ -118,8 +123,7 @@ def test_every_slab_is_aligned_and_sized(slab_bytes: int, align: int) -> None:
 
 def test_view_and_tensor_share_memory_and_slabs_do_not_overlap() -> None:
     pool = HostPool(5000, 7, pin=False)
-    handles = pool.acquire_many(7)
-    assert handles is not None
+    handles = leased(pool, 7)
     for h in handles:
         h.view[:] = bytes([h.index + 1]) * pool.slab_bytes
     for h in handles:
@@ -140,28 +144,10 @@ def test_views_are_made_once_not_per_call() -> None:
     assert handle.tensor is handle.share().tensor
 
 
-def test_acquire_many_is_all_or_nothing() -> None:
-    pool = HostPool(64, 4, pin=False)
-    first = pool.acquire_many(3)
-    assert first is not None
-    assert [h.index for h in first] == [0, 1, 2]  # the order acquire() would give
-    assert pool.acquire_many(2) is None
-    assert pool.num_free == 1  # the failed call took nothing
-    assert pool.acquire_many(0) == []
-    last = pool.acquire_many(1)
-    assert last is not None
-    assert {h.index for h in first + last} == {0, 1, 2, 3}
-    with pytest.raises(CapacityError, match="5 slabs"):
-        pool.acquire_many(5)
-    with pytest.raises(ValueError, match="n must be"):
-        pool.acquire_many(-1)
-
-
 def test_empty_pool_is_always_exhausted() -> None:
     pool = HostPool(4096, 0, pin=False)
     assert pool.num_slabs == pool.num_free == pool.num_in_use == pool.nbytes == 0
     assert pool.acquire() is None
-    assert pool.acquire_many(0) == []
 
 
 @pytest.mark.parametrize(
@@ -205,8 +191,7 @@ def test_for_chunks_fits_as_many_aligned_slabs_as_capacity_allows() -> None:
 
 def test_close_reports_leaks_and_handles_fail_afterwards(caplog: pytest.LogCaptureFixture) -> None:
     pool = HostPool(64, 4, pin=False)
-    leaked = pool.acquire_many(2)
-    assert leaked is not None
+    leaked = leased(pool, 2)
     with caplog.at_level(logging.WARNING, logger="lmtier.storage.host_pool"):
         pool.close()
         pool.close()  # idempotent, and reports once
@@ -307,8 +292,8 @@ def test_concurrent_acquire_share_release_keeps_counts_consistent() -> None:
     assert not owner
     assert not live
     assert pool.num_free == num_slabs
-    everything = pool.acquire_many(num_slabs)
-    assert everything is not None
+    everything = leased(pool, num_slabs)
+    assert pool.acquire() is None
     assert sorted(h.index for h in everything) == list(range(num_slabs))
     assert all(h.refcount == 1 for h in everything)
 
@@ -362,17 +347,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.counts[handle.index] = 1
         self.live.append(handle)
 
-    @rule(n=st.integers(min_value=0, max_value=NUM_SLABS))
-    def acquire_many(self, n: int) -> None:
-        handles = self.pool.acquire_many(n)
-        if handles is None:
-            assert self.NUM_SLABS - len(self.counts) < n
-            return
-        assert len(handles) == n
-        for handle in handles:
-            assert handle.index not in self.counts
-            self.counts[handle.index] = 1
-        self.live.extend(handles)
+    @rule(k=st.integers(min_value=0, max_value=NUM_SLABS))
+    def acquire_several(self, k: int) -> None:
+        """k acquires in a row: reaches multi-slab states (and exhaustion) in one step."""
+        for _ in range(k):
+            self.acquire()
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
