@@ -357,7 +357,8 @@ async def bench_lookup(url: str, held: Sequence[ChunkKey], samples: int) -> dict
                 found = await manager.lookup(keys)
                 expected = LOOKUP_CHUNKS if served_by[name] else 0
                 assert found.num_chunks == expected, (case, name, found)
-                assert found.tier_of(0) == served_by[name], (case, name, found)
+                first = found.spans[0].tier if found.spans else None
+                assert first == served_by[name], (case, name, found)
         order = list(managers)
         for index in range(samples):
             for case, (keys, _) in cases.items():

@@ -7,7 +7,7 @@ on a random block table in a 16k-token page pool:
     both again on a consecutive block table (a slice instead of an index op), and
     save_chunk_into_slab (gather + header checksum);
     baseline: ``dst.copy_(src)`` of the same 32 MiB, contiguous and preallocated.
-  * CUDA (when present): start_load (H2D from pinned slabs) and start_save (D2H) of the
+  * CUDA (when present): start_load (H2D from pinned slabs) and a save (D2H) of the
     same request against a pinned <-> device copy of the same bytes; then layer-wise
     load overlap on an 8B-class geometry (32 layers, 8 KV heads, 128 dims, bf16, 4096
     tokens = 512 MiB): how much of the load hides behind a per-layer matmul (512 new
@@ -74,7 +74,7 @@ def chunk_slabs(spec: KVSpec) -> tuple[HostPool, list[tuple[SlabHandle, ChunkMet
     """One pool slab (pinned when CUDA is present) and meta per chunk of the request."""
     count = TOKENS // CHUNK
     pool = HostPool(spec.encoded_chunk_bytes(CHUNK), count)
-    handles = pool.acquire_many(count) or []
+    handles = [handle for handle in (pool.acquire() for _ in range(count)) if handle is not None]
     metas = [spec.meta(ChunkKey(i.to_bytes(32, "little")), CHUNK) for i in range(count)]
     return pool, list(zip(handles, metas, strict=True))
 
@@ -154,7 +154,13 @@ def bench_cuda_bandwidth(repeats: int) -> dict[str, float]:
     h2d = median_s(lambda: device.copy_(host, non_blocking=True), repeats, sync)
     d2h = median_s(lambda: host.copy_(device, non_blocking=True), repeats, sync)
     load = median_s(lambda: engine.start_load(outs, runs).wait(), repeats, sync)
-    save = median_s(lambda: engine.start_save(runs, outs).wait(), repeats, sync)
+
+    def save_all_layers() -> None:
+        handle = engine.begin_save(runs, outs)
+        handle.save_all()
+        handle.wait()
+
+    save = median_s(save_all_layers, repeats, sync)
     close(pool, slabs)
     return {
         "pinned_h2d_copy_gb_s": round(nbytes / h2d / 1e9, 2),
