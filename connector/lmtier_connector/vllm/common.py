@@ -85,7 +85,7 @@ class ConnectorSettings:
     ``sidecar_timeout_s`` (each call's deadline, default 10).
     ``chunk_layout`` (:data:`ChunkLayout`, default ``page``).
     ``page_interior`` (:data:`PageInterior`; None, the default: from vLLM's platform,
-    :func:`lmtier_connector.vllm.connector.page_interior_of`): the page interior to key
+    :func:`lmtier_connector.vllm.pages.page_interior_of`): the page interior to key
     ``page`` chunks by, for a platform the connector cannot identify whose backend holds
     one of these interiors, and for test harnesses that write GPU pages on CPU torch.
     Workers still check it against their layers' attention backends.

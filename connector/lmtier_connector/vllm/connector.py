@@ -76,6 +76,7 @@ from lmtier_connector.vllm.common import (
     LMTierConnectorMetadata,
     SidecarSettings,
 )
+from lmtier_connector.vllm.pages import check_page_interior, page_interior_of
 from lmtier_connector.vllm.scheduler import SchedulerHalf
 from lmtier_connector.vllm.worker import WorkerHalf
 
@@ -97,54 +98,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-_BACKEND_INTERIORS = {
-    "FLASH_ATTN": "flash",
-    "TRITON_ATTN": "flash",
-    "FLEX_ATTENTION": "flash",
-    "FLASHINFER": "flash",
-    "CPU_ATTN": "cpu_attn",
-}
-"""The page interior (:data:`lmtier.kv_spec.PAGE_INTERIORS`) of each vLLM attention
-backend (``get_name()``) whose K/V pages the connector knows."""
-
-
-def page_interior_of(vllm_config: VllmConfig) -> str:
-    """How the attention backend vLLM runs on this platform lays K and V out inside a
-    page block: ``"cpu_attn"`` on vLLM's CPU platform (whose only K/V backend is
-    ``CPU_ATTN``, whatever backend was asked for), ``"flash"`` on CUDA. Any other
-    platform is a ConfigError: its backends' pages (ROCm's packed ones, for one) are
-    not known to the connector, and guessing would mislabel chunks in a shared tier.
-    Both halves call it (unless ``kv_connector_extra_config.page_interior`` declares the
-    interior), so the scheduler's lookups and the workers' chunks agree; the workers
-    check it against their layers' backends (:func:`check_page_interior`)."""
-    del vllm_config  # the platform decides; the config's backend choice is a request
-    from vllm.platforms import current_platform  # noqa: PLC0415
-
-    if current_platform.is_cpu():
-        return "cpu_attn"
-    if current_platform.is_cuda():
-        return "flash"
-    raise ConfigError(
-        f"LMTierConnector knows the KV pages of vLLM's CUDA and CPU attention backends; "
-        f"this platform is {type(current_platform).__name__} (if its attention backend "
-        f"holds one of those page interiors, set kv_connector_extra_config.page_interior)"
-    )
-
-
-def check_page_interior(interior: str, backend_names: Iterable[str]) -> None:
-    """ConfigError unless every attention backend in ``backend_names`` (vLLM's
-    ``get_name()`` of this worker's layers) holds pages with ``interior``."""
-    for name in sorted(set(backend_names)):
-        found = _BACKEND_INTERIORS.get(name)
-        if found != interior:
-            known = ", ".join(f"{k} ({v})" for k, v in _BACKEND_INTERIORS.items())
-            raise ConfigError(
-                f"vLLM's attention backend {name} does not hold the {interior!r} page "
-                f"interior the connector keys chunks by (from vLLM's platform, or "
-                f"kv_connector_extra_config.page_interior); the connector knows {known}"
-            )
 
 
 def kv_spec_of(
