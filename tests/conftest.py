@@ -12,10 +12,15 @@ for every test module that imports it.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 from hypothesis import settings
+
+_CACHE_VAR = "LMTIER_TESTS_CACHE_HOME"
 
 for _name, _value in {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -23,6 +28,15 @@ for _name, _value in {
     "TRANSFORMERS_OFFLINE": "1",
 }.items():
     os.environ.setdefault(_name, _value)
+
+# lmtier's default files (the disk tier's chunks, a sidecar's socket) live under
+# $XDG_CACHE_HOME: the suite gets a folder of its own, so no test writes the user's
+# ~/.cache or finds what another run left there. The first pytest process makes it and
+# removes it at exit; pytest-xdist's workers and every process a test starts inherit it.
+if _CACHE_VAR not in os.environ:
+    os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="lmtier-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ[_CACHE_VAR], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ[_CACHE_VAR]
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)

@@ -41,6 +41,13 @@ with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     )
 
 CPU_GEOMETRY = Geometry(block_size=32)  # what vLLM's CPU backend accepts (MultipleOf(32))
+SMALL = {
+    "chunk_size": CHUNK,
+    "cpu": {"capacity_bytes": "1MiB", "staging_bytes": "1MiB"},
+    "disk": {"enabled": False},
+}
+"""The connectors' lmtier config: a small CPU tier (the default 4 GiB is touched at
+open) and no disk (the default lies in the home directory)."""
 
 
 class CudaLike(type(platforms.current_platform)):  # type: ignore[misc]
@@ -105,7 +112,7 @@ def test_lkthd_is_refused_on_the_cpu_backend(tmp_path: Path) -> None:
         connector.kv_spec_of(config, "LKTHD")
     assert "\n" not in str(caught.value)
     # Through the connector too, before any cache is opened.
-    extra = {"chunk_layout": "LKTHD", "config": {"chunk_size": CHUNK}}
+    extra = {"chunk_layout": "LKTHD", "config": SMALL}
     config = make_vllm_config(
         write_model_dir(tmp_path / "m", geometry=CPU_GEOMETRY),
         extra,
@@ -129,7 +136,7 @@ def interior_of_scheduler(tmp_path: Path, name: str, page_interior: str | None) 
     """The page interior of the spec a SCHEDULER connector keys its chunks by."""
     config = make_vllm_config(
         write_model_dir(tmp_path / name, geometry=CPU_GEOMETRY),
-        {"config": {"chunk_size": CHUNK}},
+        {"config": SMALL},
         geometry=CPU_GEOMETRY,
         page_interior=page_interior,
     )
@@ -204,7 +211,7 @@ def test_a_worker_checks_the_declared_interior_against_its_layers(
     layout = kv_cache_config(KVCacheLayout.BLHNC, geometry=CPU_GEOMETRY)
     config = make_vllm_config(
         write_model_dir(tmp_path, geometry=CPU_GEOMETRY),
-        {"config": {"chunk_size": CHUNK}},
+        {"config": SMALL},
         geometry=CPU_GEOMETRY,
         page_interior=declared,
     )
