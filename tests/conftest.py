@@ -20,7 +20,7 @@ import tempfile
 
 from hypothesis import settings
 
-_CACHE_VAR = "LMTIER_TESTS_CACHE_HOME"
+_CACHE_VAR = "SUITE_XDG_CACHE_HOME"  # not LMTIER_*: those are config keys
 
 for _name, _value in {
     "VLLM_TARGET_DEVICE": "cpu",
