@@ -29,6 +29,12 @@ for _name, _value in {
 }.items():
     os.environ.setdefault(_name, _value)
 
+# matplotlib keeps its font cache under the cache folder the user had, not the suite's
+# own (below): building it runs `fc-list` and takes seconds, once per machine.
+os.environ.setdefault(
+    "MPLCONFIGDIR",
+    os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "matplotlib"),
+)
 # lmtier's default files (the disk tier's chunks, a sidecar's socket) live under
 # $XDG_CACHE_HOME: the suite gets a folder of its own, so no test writes the user's
 # ~/.cache or finds what another run left there. The first pytest process makes it and

@@ -12,11 +12,20 @@ calls that fork or exec.
 from __future__ import annotations
 
 import _posixsubprocess  # type: ignore[import-not-found]
+import contextlib
 import os
 import subprocess
 from typing import Any, NoReturn
 
 import pytest
+
+# matplotlib lists the system's fonts with `fc-list` the first time it is imported
+# with an empty font cache (a fresh machine, or the suite's own XDG_CACHE_HOME): a
+# library's one-time process, not a test's. Build that cache now, at collection,
+# before the fixture below refuses processes; which test imported it first decided
+# whether the demo's plot tests failed.
+with contextlib.suppress(ImportError):
+    import matplotlib.font_manager  # noqa: F401
 
 
 class ProcessInUnitTest(AssertionError):
