@@ -87,3 +87,13 @@ def run_here(monkeypatch: pytest.MonkeyPatch, *args: str, stdin: str = "") -> tu
         monkeypatch.delenv(name)
     code = main(list(args))
     return code, out.getvalue(), err.getvalue()
+
+
+INTEGRITY_KEY = "k" * 32
+
+
+def store_signed(directory: Path) -> tuple[Path, list[ChunkKey]]:
+    """A config in ``directory`` with an integrity key, and the keys of three chunks
+    stored through it (on its disk tier): what ``lmtier inspect``'s tests read."""
+    config_path = write_config(directory, integrity={"key": INTEGRITY_KEY})
+    return config_path, store(config_path, list(range(3 * CHUNK)))

@@ -10,22 +10,14 @@ import pytest
 
 from lmtier.chunks.format import PREFIX_LEN
 from lmtier.chunks.keys import ChunkKey
-from support.ops_helpers import CHUNK, SPEC, chunk_file, run_here, run_process, store, write_config
+from support.ops_helpers import CHUNK, SPEC, chunk_file, run_process, store_signed
 
 pytestmark = pytest.mark.integration
-
-TOKENS = list(range(3 * CHUNK))
-INTEGRITY_KEY = "k" * 32
 
 
 @pytest.fixture
 def stored(tmp_path: Path) -> tuple[Path, list[ChunkKey]]:
-    config_path = write_config(tmp_path, integrity={"key": INTEGRITY_KEY})
-    return config_path, store(config_path, TOKENS)
-
-
-def inspect(monkeypatch: pytest.MonkeyPatch, config: Path, *args: str) -> tuple[int, str, str]:
-    return run_here(monkeypatch, "--config", str(config), "inspect", *args)
+    return store_signed(tmp_path)
 
 
 def test_a_good_chunk_file(stored: tuple[Path, list[ChunkKey]]) -> None:

@@ -13,16 +13,12 @@ import pytest
 
 from lmtier.chunks.format import FLAG_UNSEALED, PREFIX, decode
 from lmtier.chunks.keys import ChunkKey
-from support.ops_helpers import CHUNK, chunk_file, run_here, store, write_config
-
-TOKENS = list(range(3 * CHUNK))
-INTEGRITY_KEY = "k" * 32
+from support.ops_helpers import chunk_file, run_here, store_signed, write_config
 
 
 @pytest.fixture
 def stored(tmp_path: Path) -> tuple[Path, list[ChunkKey]]:
-    config_path = write_config(tmp_path, integrity={"key": INTEGRITY_KEY})
-    return config_path, store(config_path, TOKENS)
+    return store_signed(tmp_path)
 
 
 def inspect(monkeypatch: pytest.MonkeyPatch, config: Path, *args: str) -> tuple[int, str, str]:
