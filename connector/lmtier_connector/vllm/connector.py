@@ -60,27 +60,37 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.utils.torch_utils import get_kv_cache_torch_dtype
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 
 import lmtier
 from lmtier.api import LMTier
-from lmtier.config import LMTierConfig, load_config
+from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError
 from lmtier.kv_spec import KVSpec
 from lmtier.model_dir import local_model_id
 from lmtier_connector.vllm.common import (
-    ChunkLayout,
     ConnectorSettings,
     LMTierConnectorMetadata,
     SidecarSettings,
 )
+from lmtier_connector.vllm.geometry import (
+    check_kv_cache_groups,
+    kv_spec_of,
+    lmtier_config_of,
+    tp_rank_of,
+)
 from lmtier_connector.vllm.pages import check_page_interior, page_interior_of
 from lmtier_connector.vllm.scheduler import SchedulerHalf
+from lmtier_connector.vllm.stats import LMTierConnectorStats, LMTierPromMetrics, route_logs_to_vllm
 from lmtier_connector.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -98,109 +108,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def kv_spec_of(
-    vllm_config: VllmConfig,
-    chunk_layout: ChunkLayout = "LKTHD",
-    kv_cache_config: KVCacheConfig | None = None,
-    page_interior: str | None = None,
-) -> KVSpec:
-    """The KV geometry of one worker: its layers, its share of the KV heads, its dtype,
-    and how its chunks hold KV (``chunk_layout``; MLA is always ``LTD``, which already
-    is its pages' token-major order).
-
-    ``page_interior`` (default :func:`page_interior_of`) names the attention backend's
-    arrangement of K and V inside a block: part of a ``page`` spec (and so of its
-    namespace). The transcoded layouts (``LKTHD``, ``LTD``) read pages as ``flash``
-    ones: on ``cpu_attn`` they are a ConfigError that names ``chunk_layout: page``.
-
-    ``page`` follows the physical order vLLM resolved for its pages
-    (``KVCacheConfig.kv_cache_layout``, else ``CacheConfig.kv_cache_layout``, else
-    ``$VLLM_KV_CACHE_LAYOUT``): heads before slots (HND: ``LBHNC``, ``BLHNC``,
-    ``LHBNC``, ``BHLNC``) gives ``LBHSC`` chunks, slots before heads (NHD) ``LBSHC``.
-    Both halves read the same config, so they agree; where it is unknown, ``LBHSC`` (a
-    different physical order is still copied right, with strided copies).
-    """
-    interior = page_interior_of(vllm_config) if page_interior is None else page_interior
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if interior != "flash" and (model.use_mla or chunk_layout != "page"):
-        what = "MLA models (always transcoded to LTD)" if model.use_mla else "LKTHD"
-        raise ConfigError(
-            f"LMTierConnector cannot transcode vLLM's {interior!r} pages (the CPU attention "
-            f"backend) for {what}: set kv_connector_extra_config.chunk_layout to 'page'"
-            + (" (and a model without MLA)" if model.use_mla else "")
-        )
-    dtype = get_kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, model.dtype)
-    name = str(dtype).removeprefix("torch.")
-    layers = model.get_num_layers(parallel)
-    if model.use_mla:
-        return KVSpec(layers, 1, model.get_head_size(), name, layout="LTD")
-    heads = model.get_num_kv_heads(parallel)
-    if chunk_layout != "page":
-        return KVSpec(layers, heads, model.get_head_size(), name)
-    order = (kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) or (
-        vllm_config.cache_config.kv_cache_layout or os.environ.get("VLLM_KV_CACHE_LAYOUT")
-    )
-    slots_first = order is not None and order.find("N") < order.find("H")
-    layout = "LBSHC" if slots_first else "LBHSC"
-    block_size = vllm_config.cache_config.block_size
-    return KVSpec(
-        layers,
-        heads,
-        model.get_head_size(),
-        name,
-        layout=layout,
-        block_size=block_size,
-        page_interior=interior,
-    )
-
-
-def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse models whose KV is not one group of full attention (or MLA) layers.
-
-    A chunk is every layer's KV of its tokens; hybrid models (sliding-window,
-    chunked-local or Mamba layers beside full attention, or layers of different
-    shapes) keep per-group block tables and drop blocks outside a window, so their
-    KV cannot be cached that way. The error names the groups vLLM made.
-    """
-    if kv_cache_config is None:
-        return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: PLC0415
-
-    groups = kv_cache_config.kv_cache_groups
-    supported = (FullAttentionSpec, MLAAttentionSpec)
-    if len(groups) == 1 and type(groups[0].kv_cache_spec) in supported:
-        return
-    described = "; ".join(
-        f"group {index}: {type(group.kv_cache_spec).__name__} over "
-        f"{len(group.layer_names)} layers ({', '.join(group.layer_names[:2])}"
-        f"{', ...' if len(group.layer_names) > 2 else ''})"
-        for index, group in enumerate(groups)
-    )
-    raise ConfigError(
-        "LMTierConnector caches models whose KV is one group of full-attention (or MLA) "
-        f"layers; this model's KV cache has {len(groups)} group(s): {described or 'none'}. "
-        "Hybrid models (sliding window, chunked local attention, Mamba) are not supported"
-    )
-
-
-def lmtier_config_of(settings: ConnectorSettings) -> LMTierConfig:
-    """The lmtier config: file (or ``$LMTIER_CONFIG``) < ``LMTIER_*`` < extra config."""
-    return load_config(settings.config_path, overrides=settings.config or None)
-
-
-def tp_rank_of(vllm_config: VllmConfig) -> int:
-    """This process's tensor-parallel rank (0 where no TP group exists: the scheduler,
-    single-process setups and tests)."""
-    if vllm_config.parallel_config.tensor_parallel_size == 1:
-        return 0
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
-
-    try:
-        return get_tensor_model_parallel_rank()
-    except AssertionError:  # the scheduler process has no TP group
-        return 0
 
 
 _CacheKey = tuple[LMTierConfig, KVSpec, str, str, int, int, SidecarSettings | None]
@@ -314,6 +221,7 @@ class LMTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_logs_to_vllm()
         check_kv_cache_groups(kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         settings = ConnectorSettings.from_extra_config(extra)
@@ -467,6 +375,26 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         return self._work().take_events()
+
+    # ---- stats (lmtier_connector.vllm.stats) -----------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's loads and saves since the last step (the scheduler has none)."""
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return LMTierConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> LMTierPromMetrics:
+        return LMTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finish saves in flight, then release this side's cache. Idempotent."""

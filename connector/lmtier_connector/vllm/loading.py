@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from lmtier.api import LMTier
 from lmtier.kv_spec import chunk_tensor
 from lmtier_connector.device.transfer import LoadHandle, TransferEngine
 from lmtier_connector.vllm.common import LoadSpec, chunk_keys
+from lmtier_connector.vllm.stats import StepCounters
 
 __all__ = ["Loader"]
 
@@ -47,12 +49,14 @@ class _StepLoad:
 
     handle: LoadHandle
     chunks: list[LoadedChunk] = field(default_factory=list)
+    started: float = 0.0  # perf_counter at the start of its reads
 
 
 class Loader:
     """Loads for one worker (module docstring); ``engine`` gives the transfer engine
     once vLLM has registered its KV caches, ``kernel_ids`` maps token ranges to blocks,
-    ``kernel_blocks`` is how many kernel blocks one vLLM block holds."""
+    ``kernel_blocks`` is how many kernel blocks one vLLM block holds; what it loads is
+    counted in ``counters`` (:mod:`~lmtier_connector.vllm.stats`)."""
 
     def __init__(
         self,
@@ -60,8 +64,10 @@ class Loader:
         engine: Callable[[], TransferEngine],
         kernel_ids: KernelIds,
         kernel_blocks: Callable[[], int],
+        counters: StepCounters,
     ) -> None:
         self.cache = cache
+        self.counters = counters
         self._engine = engine
         self._kernel_ids = kernel_ids
         self._kernel_blocks = kernel_blocks
@@ -80,13 +86,14 @@ class Loader:
         chunks: list[torch.Tensor] = []
         runs: list[list[int]] = []
         loaded: list[LoadedChunk] = []
+        started = time.perf_counter()
         for load in loads:
             if load.asynchronous:
                 self._submit(load)
             else:
-                loaded.extend(self._read(load, chunks, runs))
+                loaded.extend(self._read(load, chunks, runs, "sync"))
         if chunks:
-            self._step = _StepLoad(self._engine().start_load(chunks, runs), loaded)
+            self._step = _StepLoad(self._engine().start_load(chunks, runs), loaded, started)
         else:
             for chunk in loaded:
                 chunk.release()
@@ -97,12 +104,14 @@ class Loader:
     def _load_in_background(self, load: LoadSpec) -> None:
         """One asynchronous load, on the loader thread: read, scatter, wait, release."""
         loaded: list[LoadedChunk] = []
+        started = time.perf_counter()
         try:
             chunks: list[torch.Tensor] = []
             runs: list[list[int]] = []
-            loaded = self._read(load, chunks, runs)
+            loaded = self._read(load, chunks, runs, "async")
             if chunks:
                 self._engine().start_load(chunks, runs).synchronize()
+            self.counters.add("load_seconds", time.perf_counter() - started, "async")
         except Exception:  # a load that fails is recomputed, never a failed step
             logger.exception("lmtier: asynchronous load of request %s failed", load.req_id)
             self._fail(load, load.start_token)
@@ -113,9 +122,10 @@ class Loader:
                 self._received.add(load.req_id)
 
     def _read(
-        self, load: LoadSpec, chunks: list[torch.Tensor], runs: list[list[int]]
+        self, load: LoadSpec, chunks: list[torch.Tensor], runs: list[list[int]], mode: str
     ) -> list[LoadedChunk]:
-        """Load one request's chunks; queue their token ranges; note unloadable blocks."""
+        """Load one request's chunks; queue their token ranges; note unloadable blocks;
+        count them (``mode``: the load path, ``sync`` or ``async``)."""
         size = self.cache.chunk_size
         try:
             got = self.cache.load_keys(chunk_keys(self.cache, load.refs)).detach()
@@ -136,6 +146,8 @@ class Loader:
                 tensor = staged.copy_(tensor)
             chunks.append(tensor)
             runs.append(self._kernel_ids(load.block_ids, start, base + size))
+            self.counters.add("loaded_chunks", 1, chunk.tier, mode)
+            self.counters.add("loaded_bytes", tensor.numel() * tensor.element_size(), chunk.tier)
         loaded_end = (load.refs.first_chunk + len(got)) * size
         if loaded_end < load.end_token:
             self._fail(load, max(loaded_end, load.start_token))
@@ -145,6 +157,8 @@ class Loader:
         """Report tokens ``failed_from .. end_token`` of ``load`` as not loaded."""
         per = self._kernel_blocks()
         failed = self._kernel_ids(load.block_ids, failed_from, load.end_token)
+        size = self.cache.chunk_size
+        self.counters.add("load_failed_chunks", -(-(load.end_token - failed_from) // size))
         with self._lock:
             self._failed_blocks.update(b // per for b in failed)
         logger.debug(
@@ -164,6 +178,7 @@ class Loader:
         step, self._step = self._step, None
         if step is not None:
             step.handle.synchronize()
+            self.counters.add("load_seconds", time.perf_counter() - step.started, "sync")
             for chunk in step.chunks:
                 chunk.release()
 

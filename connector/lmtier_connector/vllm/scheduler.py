@@ -258,6 +258,11 @@ class SchedulerHalf:
             state = self._states.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
+                # Chunks inside vLLM's own prefix-cache hit were saved when this engine
+                # computed them: no save plan (it would hold the request's blocks one
+                # step longer for a save the worker skips).
+                local_hit = new.num_computed_tokens - state.num_load_tokens
+                state.next_save_chunk = max(state.next_save_chunk, local_hit // self.chunk_size)
                 self._plan(state, new.num_computed_tokens, scheduler_output, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):

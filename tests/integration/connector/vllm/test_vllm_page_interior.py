@@ -40,6 +40,8 @@ with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
         write_model_dir,
     )
 
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
 CPU_GEOMETRY = Geometry(block_size=32)  # what vLLM's CPU backend accepts (MultipleOf(32))
 SMALL = {
     "chunk_size": CHUNK,
