@@ -427,6 +427,7 @@ class Engine(SchedulerHalf):
             finished_recving=receiving,
             invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
             kv_cache_events=self.worker.get_kv_connector_kv_cache_events(),
+            kv_connector_stats=self.worker.get_kv_connector_stats(),
         )
         self.scheduler.update_from_output(out, runner_output(self.scheduler, out, kv_output))
         return out, meta

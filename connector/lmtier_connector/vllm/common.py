@@ -66,8 +66,9 @@ region (vLLM's CPU backend). Part of the namespace of ``page`` chunks."""
 
 AsyncLoads = Literal["auto", "always", "never"]
 """When loads run in the background (vLLM keeps the request waiting meanwhile):
-``auto`` when some chunk of the hit lies below host memory (disk, Redis, S3, a
-peer), ``always``, or ``never`` (every load inside the scheduling step)."""
+``auto`` when the hit's expected read (its bytes over its tiers' measured rates) is
+longer than ``sync_load_max_ms`` (:mod:`~lmtier_connector.vllm.load_paths`),
+``always``, or ``never`` (every load inside the scheduling step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,10 @@ class ConnectorSettings:
     ``page`` chunks by, for a platform the connector cannot identify whose backend holds
     one of these interiors, and for test harnesses that write GPU pages on CPU torch.
     Workers still check it against their layers' attention backends.
-    ``async_loads`` (:data:`AsyncLoads`, default ``auto``). ``lookup_wait_ms``: how
+    ``async_loads`` (:data:`AsyncLoads`, default ``auto``); ``sync_load_max_ms``: the
+    longest expected read ``auto`` still does inside the step (default 20: about one
+    step of a busy engine; a longer one would stall every request of the step).
+    ``lookup_wait_ms``: how
     long a lookup that needs a remote tier may hold the scheduler (default 2 ms);
     past it vLLM is told "not yet" and asks again next step, when the answer that
     went on in the background is used.
@@ -102,6 +106,7 @@ class ConnectorSettings:
     sidecar: SidecarSettings | None = None
     async_loads: AsyncLoads = "auto"
     lookup_wait_ms: float = 2.0
+    sync_load_max_ms: float = 20.0
     chunk_layout: ChunkLayout = "page"
     page_interior: PageInterior | None = None
 
@@ -110,7 +115,8 @@ class ConnectorSettings:
         known = {"config_path", "config", "vllm_block_hashes", "save_decode_tokens"}
         known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
         known |= {"sidecar_timeout_s"}
-        known |= {"async_loads", "lookup_wait_ms", "chunk_layout", "page_interior"}
+        known |= {"async_loads", "lookup_wait_ms", "sync_load_max_ms"}
+        known |= {"chunk_layout", "page_interior"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -131,6 +137,12 @@ class ConnectorSettings:
             lookup_wait_ms=_number(
                 extra.get("lookup_wait_ms", 2.0),
                 "lookup_wait_ms",
+                "ms in 0..60000",
+                lambda v: 0 <= v <= 60_000,
+            ),
+            sync_load_max_ms=_number(
+                extra.get("sync_load_max_ms", 20.0),
+                "sync_load_max_ms",
                 "ms in 0..60000",
                 lambda v: 0 <= v <= 60_000,
             ),

@@ -309,10 +309,13 @@ class LMTierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Collect the workers' ``BlockStored`` (stored chunks) and ``BlockRemoved`` (chunks
-        their CPU tier evicted) events for take_events."""
+        their CPU tier evicted) events for take_events, and their read rates."""
         events = connector_output.kv_cache_events
         if events is not None:
             self._sched().add_worker_events(events.get_all_events())
+        stats = connector_output.kv_connector_stats
+        if stats is not None:  # the workers' read rates, for the sync-or-async choice
+            self._sched().load_paths.observe(stats.data)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched().take_events()

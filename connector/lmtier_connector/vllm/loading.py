@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from lmtier.api import LMTier
 from lmtier.kv_spec import chunk_tensor
 from lmtier_connector.device.transfer import LoadHandle, TransferEngine
 from lmtier_connector.vllm.common import LoadSpec, chunk_keys
+from lmtier_connector.vllm.load_paths import HOST_TIER
 from lmtier_connector.vllm.stats import StepCounters
 
 __all__ = ["Loader"]
@@ -127,11 +129,18 @@ class Loader:
         """Load one request's chunks; queue their token ranges; note unloadable blocks;
         count them (``mode``: the load path, ``sync`` or ``async``)."""
         size = self.cache.chunk_size
+        started = time.perf_counter()
         try:
             got = self.cache.load_keys(chunk_keys(self.cache, load.refs)).detach()
         except Exception:  # a failed load is a recompute, never a failed step
             logger.exception("lmtier: load of request %s failed", load.req_id)
             got = []
+        if got:  # the scheduler's read rates (load_paths): by the tier serving most of it
+            tiers = Counter(chunk.tier for chunk in got)
+            tier = max(tiers, key=lambda name: (name != HOST_TIER, tiers[name]))
+            read = len(got) * self.cache.kv_spec.bytes_per_token * size
+            self.counters.add("read_bytes", read, tier)
+            self.counters.add("read_seconds", time.perf_counter() - started, tier)
         spec = self.cache.kv_spec
         device = self._engine().pages.device
         for index, chunk in enumerate(got):

@@ -11,11 +11,12 @@ sidecar) runs on a lookup thread, and when it takes longer than ``lookup_wait_ms
 is told "not yet" (``None``): the request stays waiting and the answer is picked up at
 vLLM's next call, so a slow Redis or S3 never stalls the other requests' steps.
 
-Loads are synchronous (inside the step that schedules the request) when every chunk of
-the hit is in host memory, and asynchronous otherwise (``async_loads``): vLLM allocates
-the blocks, keeps the request in ``WAITING_FOR_REMOTE_KVS``, and the plan goes to the
-workers in the same step's metadata; they read and scatter in the background and report
-the request through ``get_finished``.
+Loads are synchronous (inside the step that schedules the request) when the hit's
+expected read is short, from its tiers' measured rates, and asynchronous otherwise
+(``async_loads``, ``sync_load_max_ms``; :mod:`~lmtier_connector.vllm.load_paths`): vLLM
+allocates the blocks, keeps the request in ``WAITING_FOR_REMOTE_KVS``, and the plan goes
+to the workers in the same step's metadata; they read and scatter in the background and
+report the request through ``get_finished``.
 
 Saves are planned per step: when a step completes a chunk of the prompt (chunked prefill
 included), the chunk's blocks go to the workers in that step's metadata, so the worker
@@ -66,6 +67,7 @@ from lmtier_connector.vllm.common import (
     SaveSpec,
     chunk_keys,
 )
+from lmtier_connector.vllm.load_paths import LoadPaths
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -79,8 +81,6 @@ MAX_PENDING_EVENTS = 65536
 """Chunk events reported by some saving ranks but not all yet; beyond it the oldest
 are dropped (a rank that could not store a chunk never reports it)."""
 
-HOST_TIER = "cpu"
-"""The tier whose hits load synchronously under ``async_loads: auto``."""
 MAX_PENDING_LOOKUPS = 4096
 """Background lookups kept for requests vLLM has not asked about again."""
 
@@ -141,6 +141,11 @@ class SchedulerHalf:
         self._lookups: dict[str, _PendingLookup] = {}
         self._lookup_thread: ThreadPoolExecutor | None = None
         self._async_loads: list[LoadSpec] = []  # planned at allocation, sent next meta
+        self.load_paths = LoadPaths(
+            settings.async_loads,
+            settings.sync_load_max_ms / 1000,
+            cache.kv_spec.bytes_per_token * cache.chunk_size,
+        )
 
     # ---- keys ----------------------------------------------------------------------
 
@@ -183,9 +188,7 @@ class SchedulerHalf:
             return None, False
         hit_end = (first + found.num_chunks) * self.chunk_size
         tokens = max(0, hit_end - num_computed_tokens)
-        mode = self.settings.async_loads
-        slow = any(span.tier != HOST_TIER for span in found.spans)
-        asynchronous = tokens > 0 and (mode == "always" or (mode == "auto" and slow))
+        asynchronous = tokens > 0 and self.load_paths.asynchronous(found.spans)
         self._answers[req_id] = _Answer(num_computed_tokens, asynchronous)
         return tokens, asynchronous
 

@@ -41,6 +41,8 @@ COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "loaded_chunks": (("tier", "mode"), "Chunks loaded into vLLM's KV pages, by tier and path"),
     "loaded_bytes": (("tier",), "Bytes of chunks loaded into vLLM's KV pages, by tier"),
     "load_seconds": (("mode",), "Seconds spent loading (read and scatter), by path"),
+    "read_bytes": (("tier",), "Bytes read from the tiers, by the tier serving most of each read"),
+    "read_seconds": (("tier",), "Seconds reading from the tiers, by the tier serving most of each"),
     "load_failed_chunks": ((), "Chunks a load could not serve (vLLM recomputes them)"),
     "saved_chunks": ((), "Chunks saved from vLLM's KV pages into lmtier's tiers"),
     "save_dropped_chunks": ((), "Chunks not saved: no free host slab (the pool was busy)"),

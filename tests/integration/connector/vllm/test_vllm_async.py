@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,29 @@ def engines() -> Iterator[list[Engine]]:
         engine.close()
 
 
+@pytest.fixture
+def hold(engines: list[Engine]) -> Iterator[Callable[[Any], threading.Event]]:
+    """``hold(executor)`` holds that thread pool's thread (what is submitted after waits)
+    until the returned gate is set; a gate a failed test left closed is set at teardown,
+    before the engines close (their close waits for those threads)."""
+    gates: list[threading.Event] = []
+
+    def hold_(executor: Any) -> threading.Event:
+        gate = threading.Event()
+        executor.submit(gate.wait)
+        gates.append(gate)
+        return gate
+
+    yield hold_
+    for gate in gates:
+        gate.set()
+
+
 def engine(engines: list[Engine], model_dir: Path, config: dict[str, Any], **extra: Any) -> Engine:
+    """An engine whose ``auto`` loads every hit below host memory in the background (a
+    zero read budget: these tests exercise that path; test_vllm_load_paths.py tests the
+    choice)."""
+    extra.setdefault("sync_load_max_ms", 0)
     made = Engine(make_vllm_config(model_dir, {"config": config, **extra}))
     engines.append(made)
     return made
@@ -128,7 +150,7 @@ def assert_pages(engine: Engine, request: Request, tokens: list[int], stop: int)
 
 
 def test_a_disk_hit_loads_in_the_background_while_the_request_waits(
-    model_dir: Path, tmp_path: Path, engines: list[Engine]
+    model_dir: Path, tmp_path: Path, engines: list[Engine], hold: Callable[[Any], threading.Event]
 ) -> None:
     save_prompt(engine(engines, model_dir, lmtier_overrides(tmp_path)))
     # Another cache (its own, empty CPU tier) over the same disk tier.
@@ -136,8 +158,7 @@ def test_a_disk_hit_loads_in_the_background_while_the_request_waits(
     tokens = [*PROMPT, 5, 6, 7]
     request = reader.add("b", tokens)
     assert reader.connector.get_num_new_matched_tokens(request, 0) == (192, True)
-    gate = threading.Event()
-    reader.worker._work().loader._thread.submit(gate.wait)  # hold the loader
+    gate = hold(reader.worker._work().loader._thread)
     out, meta = reader.run_step()
     (load,) = meta.loads
     assert load.asynchronous and (load.start_token, load.end_token) == (0, 192)
@@ -155,15 +176,14 @@ def test_a_disk_hit_loads_in_the_background_while_the_request_waits(
 
 
 def test_a_request_aborted_during_its_load_frees_its_blocks_once_the_load_is_done(
-    model_dir: Path, tmp_path: Path, engines: list[Engine]
+    model_dir: Path, tmp_path: Path, engines: list[Engine], hold: Callable[[Any], threading.Event]
 ) -> None:
     save_prompt(engine(engines, model_dir, lmtier_overrides(tmp_path)))
     reader = engine(engines, model_dir, lmtier_overrides(tmp_path, cpu={"capacity_bytes": "32MiB"}))
     pool = reader.scheduler.kv_cache_manager.block_pool
     free = pool.get_num_free_blocks()
     request = reader.add("b", [*PROMPT, 5])
-    gate = threading.Event()
-    reader.worker._work().loader._thread.submit(gate.wait)  # the load stays in flight
+    gate = hold(reader.worker._work().loader._thread)  # the load stays in flight
     reader.run_step()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     finish(reader, "b")  # the client went away
@@ -280,19 +300,19 @@ def test_a_redis_killed_mid_load_costs_a_recompute_not_a_failed_request(
 
 
 def test_preemption_while_a_load_is_in_flight(
-    model_dir: Path, tmp_path: Path, engines: list[Engine]
+    model_dir: Path, tmp_path: Path, engines: list[Engine], hold: Callable[[Any], threading.Event]
 ) -> None:
     save_prompt(engine(engines, model_dir, lmtier_overrides(tmp_path)))
     config = lmtier_overrides(tmp_path, cpu={"capacity_bytes": "32MiB"})
-    reader = Engine(make_vllm_config(model_dir, {"config": config}, num_blocks=30))
+    extra = {"config": config, "sync_load_max_ms": 0}  # a disk hit loads in the background
+    reader = Engine(make_vllm_config(model_dir, extra, num_blocks=30))
     engines.append(reader)
     other_tokens = [(i * 11 + 2) % 1000 for i in range(200)]
     other = reader.add("x", other_tokens, max_tokens=200)  # 13 blocks, then grows
     reader.run_step()
     assert other.status == RequestStatus.RUNNING
     request = reader.add("b", [*PROMPT, 5])  # 13 blocks, loaded from disk
-    gate = threading.Event()
-    reader.worker._work().loader._thread.submit(gate.wait)
+    gate = hold(reader.worker._work().loader._thread)
     reader.run_step()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     preempted = False

@@ -209,7 +209,8 @@ def test_a_down_tier_reports_load_errors_not_exceptions(
 def test_a_corrupt_chunk_reports_its_blocks(
     model_dir: Path, tmp_path: Path, engines: list[Engine]
 ) -> None:
-    extra = {"config": lmtier_overrides(tmp_path, cpu={"enabled": False})}
+    # A zero read budget: the disk hit loads in the background (its errors come then).
+    extra = {"config": lmtier_overrides(tmp_path, cpu={"enabled": False}), "sync_load_max_ms": 0}
     first = Engine(make_vllm_config(model_dir, extra))
     engines.append(first)
     first.add("a", PREFIX[:200])

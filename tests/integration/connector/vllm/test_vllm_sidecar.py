@@ -262,11 +262,11 @@ def test_a_killed_sidecar_costs_recomputes_and_a_restarted_one_serves_from_disk(
 
         sidecar = SidecarProcess(tmp_path / "sidecar", settings)  # the same disk tier
         sidecar.start()
-        side = SchedulerSide(make_vllm_config(model_dir, extra))
+        # A zero read budget: a hit below the sidecar's host memory loads in the
+        # background while vLLM keeps the request waiting.
+        side = SchedulerSide(make_vllm_config(model_dir, {**extra, "sync_load_max_ms": 0}))
         try:
             request = side.add("d", [*PROMPT, 9])
-            # Below the sidecar's host memory: the load runs in the background while
-            # vLLM keeps the request waiting.
             assert side.connector.get_num_new_matched_tokens(request, 0) == (192, True)
             out, meta = side.schedule()
             assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
