@@ -72,8 +72,6 @@ def test_a_short_disk_read_loads_in_the_step_and_a_slow_disk_in_the_background(
     assert out.num_scheduled_tokens == {"r": 9}  # computed in the step that loaded it
     ids = reader.scheduler.kv_cache_manager.get_block_ids("r")[0]
     for layer in range(2):
-        from support.vllm_helpers import block_tokens
-
         got = block_tokens(reader.kv, ids, 0, 192, layer)
         assert got.equal(expected_tokens(PROMPT, 0, 192, layer))
     # The worker measured that read; the scheduler learnt the disk's rate from it.
