@@ -1,4 +1,4 @@
-"""lmtier as a vLLM (>= 0.33) KV connector: ``LMTierConnector``.
+"""lmtier as a vLLM (0.32 to 0.34) KV connector: ``LMTierConnector``.
 
 ::
 
@@ -37,6 +37,17 @@ the namespace of ``page`` chunks (:func:`page_interior_of`, from vLLM's platform
 layers' attention backends at ``register_kv_caches``), so a CPU and a GPU
 engine sharing a tier never load each other's pages, and refuses the transcoded layouts
 (``LKTHD``, MLA's ``LTD``) on the CPU backend, whose page interior it cannot transcode.
+
+vLLM versions: 0.32 (the CPU build), 0.33 and 0.34. Hooks a vLLM lacks are never
+called, so each is answered where it exists (docs/vllm.md, *Supported vLLM versions*):
+``get_external_cache_hit_sources`` splits a hit by the tier that holds it (``cpu`` as
+``host``, ``disk``, ``peer`` as ``p2p``, remote stores as ``external_unspecified``);
+``requires_kv_delivery`` is False (a best-effort cache: a dropped save is a later miss);
+0.34's ``may_load_async`` predicts an asynchronous load without I/O (True where a remote
+tier or a sidecar would have to be asked); ``supports_lookahead_block_hashes`` follows
+``vllm_block_hashes`` (vLLM's hashes cover the drafter's lookahead, lmtier's chain does
+not); ``kv_cache_access`` is ``IN_PROCESS`` (torch copies in the worker's process).
+0.34 resumes a preempted request among the new ones; the scheduler half takes both.
 
 Tensor parallelism: each rank stores its own shard under a namespace naming its
 rank. MLA caches one latent per token, the same on every rank: only rank 0 saves,
@@ -79,10 +90,12 @@ from lmtier_connector.vllm.scheduler import SchedulerHalf
 from lmtier_connector.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
 __all__ = [
@@ -284,6 +297,45 @@ class LMTierConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The external tokens by the tier lmtier found them in: ``cpu`` as ``host``,
+        ``disk``, ``peer`` as ``p2p``, Redis, S3 (and a sidecar over TCP) as
+        ``external_unspecified`` (:mod:`~lmtier_connector.vllm.hit_sources`)."""
+        return self._sched().hit_sources(request, num_external_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34, with ``--max-num-inflight-kv-loads``: whether this request's hit
+        would load in the background, so it may start loading while the batch is full
+        (:meth:`SchedulerHalf.may_load_async`)."""
+        return self._sched().may_load_async(request)
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM >= 0.34: True when chunks are keyed by vLLM's block hashes
+        (``vllm_block_hashes``, the default), which then cover the tokens an EAGLE
+        drafter's KV reads past each block; lmtier's own token chain does not."""
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        return bool(extra.get("vllm_block_hashes", True))
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM >= 0.34: ``IN_PROCESS``. The workers copy pages with torch in their own
+        process (a sidecar gets host copies, never the device KV cache), so any
+        allocation of it works."""
+        from vllm.config.kv_transfer import (  # type: ignore[attr-defined,unused-ignore] # noqa: PLC0415
+            KVCacheAccess,
+        )
+
+        return KVCacheAccess.IN_PROCESS
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache (a save that a preemption drops is a later miss),
+        so vLLM need not recompute a request preempted with a save pending."""
+        return False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
