@@ -16,7 +16,7 @@ from lmtier.kv_spec import KVSpec
 
 with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     warnings.simplefilter("ignore", DeprecationWarning)
-    from lmtier_connector.vllm import connector
+    from lmtier_connector.vllm import caches as registry
     from lmtier_connector.vllm.common import SidecarSettings
 
 __all__ = ["PASSWORD", "TOKEN", "FakeCache", "fake_registry", "registry_key"]
@@ -36,17 +36,17 @@ class FakeCache:
         self.closes += 1
 
 
-def fake_registry(monkeypatch: pytest.MonkeyPatch) -> connector._Caches:
+def fake_registry(monkeypatch: pytest.MonkeyPatch) -> registry.Caches:
     """A fresh registry whose caches are :class:`FakeCache` (for a fixture)."""
 
     def open_cache(key: Any) -> FakeCache:
         return FakeCache()
 
-    monkeypatch.setattr(connector, "_open_cache", open_cache)
-    return connector._Caches()
+    monkeypatch.setattr(registry, "open_cache", open_cache)
+    return registry.Caches()
 
 
-def registry_key(config: LMTierConfig | None = None) -> connector._CacheKey:
+def registry_key(config: LMTierConfig | None = None) -> registry.CacheKey:
     """A registry key: ``config`` (default: one with a Redis password), a small KV
     geometry, and sidecar settings with a token."""
     config = config or LMTierConfig(redis={"url": f"redis://:{PASSWORD}@h:6379/0"})

@@ -10,9 +10,11 @@ vLLM is imported.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -147,6 +149,24 @@ a test that expects a request scheduled in its first step would see "not yet". T
 tests of that answer set it themselves."""
 
 
+@contextlib.contextmanager
+def _cpu_platform_without_triton() -> Iterator[None]:
+    """While a config is built: vLLM >= 0.34's CPU platform refuses an x86 machine
+    without triton-cpu (its model runner compiles kernels with it); the harness runs no
+    model, only the scheduler side and the connector, so it builds one anyway. Nothing
+    else changes: vLLM's modules keep their Triton placeholders."""
+    import vllm.triton_utils as triton_utils
+
+    if triton_utils.HAS_TRITON:
+        yield
+        return
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = False
+
+
 def make_vllm_config(
     model_dir: Path,
     extra: dict[str, Any],
@@ -166,7 +186,7 @@ def make_vllm_config(
         defaults["lookup_wait_ms"] = lookup_wait_ms
     if page_interior is not None:
         defaults["page_interior"] = page_interior
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _cpu_platform_without_triton():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = ModelConfig(
             model=str(model_dir),
@@ -356,12 +376,23 @@ def runner_output(
     for req_id in req_ids:
         request = scheduler.requests[req_id]
         sampled.append([7] if request.num_computed_tokens >= request.num_tokens else [])
+    # vLLM <= 0.33 also takes each request's index (0.34 dropped the field).
+    indexes: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        indexes["req_id_to_index"] = {req_id: index for index, req_id in enumerate(req_ids)}
     return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        kv_connector_output=kv_output,
+        req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_output, **indexes
     )
+
+
+def resumed_req_ids(scheduler: Scheduler, out: SchedulerOutput) -> set[str]:
+    """The preempted requests ``out`` resumes: vLLM <= 0.33 names them among the cached
+    requests, 0.34 sends them in full among the new ones."""
+    cached = getattr(out.scheduled_cached_reqs, "resumed_req_ids", None)
+    if cached is not None:
+        return set(cached)
+    new = (n.req_id for n in out.scheduled_new_reqs)
+    return {req_id for req_id in new if scheduler.requests[req_id].num_preemptions > 0}
 
 
 def block_tokens(

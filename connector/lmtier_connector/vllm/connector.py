@@ -1,4 +1,4 @@
-"""lmtier as a vLLM (>= 0.33) KV connector: ``LMTierConnector``.
+"""lmtier as a vLLM (0.32 to 0.34) KV connector: ``LMTierConnector``.
 
 ::
 
@@ -38,6 +38,17 @@ layers' attention backends at ``register_kv_caches``), so a CPU and a GPU
 engine sharing a tier never load each other's pages, and refuses the transcoded layouts
 (``LKTHD``, MLA's ``LTD``) on the CPU backend, whose page interior it cannot transcode.
 
+vLLM versions: 0.32 (the CPU build), 0.33 and 0.34. Hooks a vLLM lacks are never
+called, so each is answered where it exists (docs/vllm.md, *Supported vLLM versions*):
+``get_external_cache_hit_sources`` splits a hit by the tier that holds it (``cpu`` as
+``host``, ``disk``, ``peer`` as ``p2p``, remote stores as ``external_unspecified``);
+``requires_kv_delivery`` is False (a best-effort cache: a dropped save is a later miss);
+0.34's ``may_load_async`` predicts an asynchronous load without I/O (True where a remote
+tier or a sidecar would have to be asked); ``supports_lookahead_block_hashes`` follows
+``vllm_block_hashes`` (vLLM's hashes cover the drafter's lookahead, lmtier's chain does
+not); ``kv_cache_access`` is ``IN_PROCESS`` (torch copies in the worker's process).
+0.34 resumes a preempted request among the new ones; the scheduler half takes both.
+
 Tensor parallelism: each rank stores its own shard under a namespace naming its
 rank. MLA caches one latent per token, the same on every rank: only rank 0 saves,
 every rank loads, and the namespace says tp 1 / rank 0. The scheduler looks up
@@ -47,8 +58,6 @@ rank 0's namespace; a rank missing its shard reports a load error (recomputed).
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -63,16 +72,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 
-import lmtier
 from lmtier.api import LMTier
-from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError
-from lmtier.kv_spec import KVSpec
 from lmtier.model_dir import local_model_id
+from lmtier_connector.vllm.caches import caches
 from lmtier_connector.vllm.common import (
     ConnectorSettings,
     LMTierConnectorMetadata,
-    SidecarSettings,
 )
 from lmtier_connector.vllm.geometry import (
     check_kv_cache_groups,
@@ -86,6 +92,7 @@ from lmtier_connector.vllm.stats import LMTierConnectorStats, LMTierPromMetrics,
 from lmtier_connector.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorStats,
         PromMetric,
@@ -95,6 +102,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
 __all__ = [
@@ -108,110 +116,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-_CacheKey = tuple[LMTierConfig, KVSpec, str, str, int, int, SidecarSettings | None]
-"""(config, geometry, model id, revision, TP size, TP rank, sidecar). The frozen config
-itself, not its repr: a key may be printed or logged, and the config's secrets print
-redacted (an unredacted repr of them must never sit in a key)."""
-
-
-class _Caches:
-    """The started caches of this process, one per :data:`_CacheKey`, counted.
-
-    When vLLM runs the scheduler and the worker in one process (its in-process
-    executor, tests), both halves share one cache, CPU tier included; in separate
-    processes each half opens its own and they meet in the shared tiers. With a
-    sidecar (the key's last part) the cache is a client of it
-    (:func:`lmtier.connect`): every process meets in the sidecar's tiers,
-    its CPU tier included.
-
-    A forked child inherits this registry but not the threads, event loop and
-    sockets behind the parent's caches, so it must never use them: every call first
-    checks the process id (as redis-py's ``ConnectionPool._checkpid`` does) and, in
-    a new process, forgets the parent's caches, unclosed (closing them would act on
-    the parent's tiers and memory), and opens its own. The lock is made anew in a
-    forked child, since one a parent's thread held at the fork stays held there.
-    """
-
-    def __init__(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._entries: dict[_CacheKey, tuple[LMTier, int]] = {}
-        os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self) -> None:
-        self._lock = threading.Lock()
-
-    def _owned(self) -> dict[_CacheKey, tuple[LMTier, int]]:
-        """This process's entries (call holding the lock): none right after a fork."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._entries = {}
-        return self._entries
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._owned())
-
-    def acquire(self, key: _CacheKey) -> LMTier:
-        """The started cache of ``key`` in this process, opened on first use."""
-        with self._lock:
-            entries = self._owned()
-            found = entries.get(key)
-            if found is not None:
-                entries[key] = (found[0], found[1] + 1)
-                return found[0]
-            cache = _open_cache(key)
-            entries[key] = (cache, 1)
-            return cache
-
-    def release(self, key: _CacheKey) -> None:
-        """Drop one use of ``key``'s cache; the last closes it (not one of a parent's)."""
-        with self._lock:
-            entries = self._owned()
-            found = entries.pop(key, None)
-            if found is None:
-                return
-            cache, count = found
-            if count > 1:
-                entries[key] = (cache, count - 1)
-                return
-        cache.close()
-
-
-def _open_cache(key: _CacheKey) -> LMTier:
-    """A started LMTier for ``key``: a sidecar's client, or a cache of its own."""
-    config, spec, model_id, revision, tp_size, tp_rank, sidecar = key
-    if sidecar is not None:
-        # A sidecar that is down is not an error here: calls miss until it is up.
-        return lmtier.connect(
-            sidecar.target,
-            config,
-            kv=spec,
-            model_id=model_id,
-            model_revision=revision,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            token=sidecar.token,
-            shared_memory=sidecar.shared_memory,
-            timeout_s=sidecar.timeout_s,
-            client_name=f"vllm pid {os.getpid()} rank {tp_rank}",
-        )
-    cache = LMTier(
-        config,
-        spec,
-        model_id=model_id,
-        model_revision=revision,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-    )
-    # Opened here, not lazily: a misconfigured tier should fail at startup.
-    cache.start()
-    return cache
-
-
-_caches = _Caches()
 
 
 class LMTierConnector(KVConnectorBase_V1):
@@ -253,7 +157,7 @@ class LMTierConnector(KVConnectorBase_V1):
             0 if mla else rank,
             settings.sidecar,
         )
-        cache = _caches.acquire(self._cache_key)
+        cache = caches.acquire(self._cache_key)
         self._cache = cache
         self._closed = False
         self._scheduler: SchedulerHalf | None = None
@@ -298,6 +202,45 @@ class LMTierConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The external tokens by the tier lmtier found them in: ``cpu`` as ``host``,
+        ``disk``, ``peer`` as ``p2p``, Redis, S3 (and a sidecar over TCP) as
+        ``external_unspecified`` (:mod:`~lmtier_connector.vllm.hit_sources`)."""
+        return self._sched().hit_sources(request, num_external_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34, with ``--max-num-inflight-kv-loads``: whether this request's hit
+        would load in the background, so it may start loading while the batch is full
+        (:meth:`SchedulerHalf.may_load_async`)."""
+        return self._sched().may_load_async(request)
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM >= 0.34: True when chunks are keyed by vLLM's block hashes
+        (``vllm_block_hashes``, the default), which then cover the tokens an EAGLE
+        drafter's KV reads past each block; lmtier's own token chain does not."""
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        return bool(extra.get("vllm_block_hashes", True))
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM >= 0.34: ``IN_PROCESS``. The workers copy pages with torch in their own
+        process (a sidecar gets host copies, never the device KV cache), so any
+        allocation of it works."""
+        from vllm.config.kv_transfer import (  # type: ignore[attr-defined,unused-ignore] # noqa: PLC0415
+            KVCacheAccess,
+        )
+
+        return KVCacheAccess.IN_PROCESS
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache (a save that a preemption drops is a later miss),
+        so vLLM need not recompute a request preempted with a save pending."""
+        return False
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
@@ -407,4 +350,4 @@ class LMTierConnector(KVConnectorBase_V1):
             self._scheduler.shutdown()
         if not self._closed:
             self._closed = True
-            _caches.release(self._cache_key)
+            caches.release(self._cache_key)

@@ -25,6 +25,12 @@ save returns True from :meth:`request_finished`; the workers report it through
 ``get_finished`` once its saves are in the tiers, and only then does vLLM free its
 blocks.
 
+Where hits came from: each hit reported to vLLM keeps its lookup's spans until vLLM
+asks (``get_external_cache_hit_sources``, after the allocation), which splits the loaded
+tokens by tier (:mod:`~lmtier_connector.vllm.hit_sources`). Which requests may load
+asynchronously (``may_load_async``, vLLM 0.34's ``--max-num-inflight-kv-loads``) is told
+by the same walk without I/O that answers a lookup in the scheduler's thread.
+
 KV events are announced when chunks are *stored*, not when they are planned: each save
 carries the ``BlockStored`` of its chunks, the workers return per-chunk slices of it
 once the chunks are in their tiers (``get_kv_connector_kv_cache_events``), vLLM hands
@@ -67,10 +73,12 @@ from lmtier_connector.vllm.common import (
     SaveSpec,
     chunk_keys,
 )
+from lmtier_connector.vllm.hit_sources import FoundHit
 from lmtier_connector.vllm.load_paths import LoadPaths
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerHalf"]
@@ -138,6 +146,10 @@ class SchedulerHalf:
         self._removed: Counter[KVCacheEvent] = Counter()  # published, ranks left to absorb
         self._medium = MEDIUM_CPU if cache.config.cpu.enabled else MEDIUM_STORAGE
         self._answers: dict[str, _Answer] = {}
+        self._hits: dict[str, FoundHit] = {}  # until vLLM asks where they came from
+        # A sidecar over TCP may be another machine: its tiers are no source of ours.
+        sidecar = settings.sidecar
+        self._on_this_host = sidecar is None or sidecar.target.startswith("unix:")
         self._lookups: dict[str, _PendingLookup] = {}
         self._lookup_thread: ThreadPoolExecutor | None = None
         self._async_loads: list[LoadSpec] = []  # planned at allocation, sent next meta
@@ -190,7 +202,42 @@ class SchedulerHalf:
         tokens = max(0, hit_end - num_computed_tokens)
         asynchronous = tokens > 0 and self.load_paths.asynchronous(found.spans)
         self._answers[req_id] = _Answer(num_computed_tokens, asynchronous)
+        if tokens > 0:
+            self._hits[req_id] = FoundHit(num_computed_tokens, first, found.spans)
+        else:
+            self._hits.pop(req_id, None)
         return tokens, asynchronous
+
+    def hit_sources(self, request: Request, num_tokens: int) -> dict[CacheHitSource, int]:
+        """The ``num_tokens`` external tokens vLLM took from the last hit reported for
+        ``request``, by the tier that holds them (:mod:`~lmtier_connector.vllm.hit_sources`)."""
+        found = self._hits.pop(request.request_id, None)
+        if num_tokens <= 0:
+            return {}
+        if found is None:  # never: vLLM asks only after a hit
+            return FoundHit(0, 0, ()).sources(num_tokens, self.chunk_size)
+        return found.sources(num_tokens, self.chunk_size, on_this_host=self._on_this_host)
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether a hit of ``request`` would load asynchronously, told without I/O:
+        never with ``async_loads: never`` or a prompt shorter than a chunk; else what
+        the host-memory and disk-index walk finds (any hit with ``always``, one whose
+        expected read is long with ``auto``: :mod:`~lmtier_connector.vllm.load_paths`);
+        where that walk cannot tell (a remote tier or a sidecar would be asked), True:
+        their hits load in the background."""
+        if self.settings.async_loads == "never":
+            return False
+        stop = self._num_keyable_chunks(request, request.num_tokens - 1)
+        if stop <= 0:
+            return False
+        try:
+            found = self.cache.lookup_keys_now(chunk_keys(self.cache, self.refs(request, 0, stop)))
+        except Exception as exc:
+            _lookup_failed(exc, f"the load prediction for {request.request_id}")
+            return False
+        if found is None:
+            return True
+        return found.num_chunks > 0 and self.load_paths.asynchronous(found.spans)
 
     def _lookup(self, req_id: str, keys: list[ChunkKey]) -> Lookup | None:
         """The waterfall lookup of ``keys``, or None while it runs in the background."""
@@ -273,7 +320,8 @@ class SchedulerHalf:
             if state is None:
                 continue
             new_ids = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids:
+            # vLLM <= 0.33 resumes a preempted request here; 0.34 sends it as a new one.
+            if req_id in getattr(cached, "resumed_req_ids", ()):
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
@@ -353,6 +401,7 @@ class SchedulerHalf:
         """True while saves planned for the request may still read its blocks."""
         self._states.pop(request.request_id, None)
         self._answers.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         if request.request_id in self._saving:
             self._saving.discard(request.request_id)

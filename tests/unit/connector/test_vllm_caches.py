@@ -13,13 +13,13 @@ from lmtier.config import LMTierConfig
 
 with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     warnings.simplefilter("ignore", DeprecationWarning)
-    from lmtier_connector.vllm import connector
+    from lmtier_connector.vllm import caches as registry
     from support.vllm_caches import PASSWORD, TOKEN, fake_registry
     from support.vllm_caches import registry_key as key
 
 
 @pytest.fixture
-def caches(monkeypatch: pytest.MonkeyPatch) -> connector._Caches:
+def caches(monkeypatch: pytest.MonkeyPatch) -> registry.Caches:
     return fake_registry(monkeypatch)
 
 
@@ -38,7 +38,7 @@ def test_the_key_is_the_frozen_config_and_its_repr_hides_the_secrets() -> None:
     assert hash(key(LMTierConfig(extra_tiers=[{"backend": "memo", "options": {"a": 1}}])))
 
 
-def test_one_cache_per_key_counted(caches: connector._Caches) -> None:
+def test_one_cache_per_key_counted(caches: registry.Caches) -> None:
     first = caches.acquire(key())
     assert caches.acquire(key()) is first
     assert len(caches) == 1

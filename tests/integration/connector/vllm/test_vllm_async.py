@@ -56,6 +56,7 @@ with warnings.catch_warnings():
         finish,
         lmtier_overrides,
         make_vllm_config,
+        resumed_req_ids,
         worker_step,
         write_model_dir,
     )
@@ -328,7 +329,7 @@ def test_preemption_while_a_load_is_in_flight(
     assert_pages(reader, request, [*PROMPT, 5], 193)
     # The preempted request comes back with its own saved chunks, bit-exact.
     out = run_until_scheduled(reader, "x", steps=40)
-    assert out.scheduled_cached_reqs.resumed_req_ids == {"x"}
+    assert resumed_req_ids(reader.scheduler, out) == {"x"}
     assert_pages(reader, other, other_tokens, 192)
 
 

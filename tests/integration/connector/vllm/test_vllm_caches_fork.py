@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 
 with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     warnings.simplefilter("ignore", DeprecationWarning)
-    from lmtier_connector.vllm import connector
+    from lmtier_connector.vllm import caches as registry
     from support.vllm_caches import fake_registry
     from support.vllm_caches import registry_key as key
 
@@ -21,11 +21,11 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def caches(monkeypatch: pytest.MonkeyPatch) -> connector._Caches:
+def caches(monkeypatch: pytest.MonkeyPatch) -> registry.Caches:
     return fake_registry(monkeypatch)
 
 
-def test_a_forked_child_opens_its_own_and_leaves_the_parents(caches: connector._Caches) -> None:
+def test_a_forked_child_opens_its_own_and_leaves_the_parents(caches: registry.Caches) -> None:
     parent = caches.acquire(key())
     read, write = os.pipe()
     pid = os.fork()
