@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lmtier.remote.client import connect
     from lmtier.results import CacheLookup, HostMemory, LoadResult
     from lmtier.storage.host_pool import SlabHandle
-    from lmtier.storage.lookup import LoadedChunk, Lookup
+    from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 
 _EXPORTS = {
     "CacheLookup": "lmtier.results",
@@ -50,6 +50,7 @@ _EXPORTS = {
     "connect": "lmtier.remote.client",
     "LoadedChunk": "lmtier.storage.lookup",
     "Lookup": "lmtier.storage.lookup",
+    "TierSpan": "lmtier.storage.lookup",
     "SlabHandle": "lmtier.storage.host_pool",
 }
 
@@ -74,6 +75,7 @@ __all__ = [
     "MultimodalSpan",
     "Namespace",
     "SlabHandle",
+    "TierSpan",
 ]
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from lmtier.storage.lookup import TierSpan
+from lmtier import TierSpan
 
 __all__ = ["DEFAULT_RATES", "HOST_TIER", "LoadPaths", "UNKNOWN_TIER_RATE"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmtier.storage.lookup import TierSpan
+from lmtier import TierSpan
 from lmtier_connector.vllm.load_paths import DEFAULT_RATES, UNKNOWN_TIER_RATE, LoadPaths
 
 MIB = 2**20

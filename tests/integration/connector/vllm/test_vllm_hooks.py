@@ -57,6 +57,9 @@ def engines() -> Iterator[list[Engine]]:
 
 
 def engine(engines: list[Engine], model_dir: Path, config: dict[str, Any], **extra: Any) -> Engine:
+    """An engine whose ``auto`` loads every hit below host memory in the background (a
+    zero read budget; test_vllm_load_paths.py tests the budget)."""
+    extra.setdefault("sync_load_max_ms", 0)
     made = Engine(make_vllm_config(model_dir, {"config": config, **extra}))
     engines.append(made)
     return made
@@ -140,6 +143,9 @@ def test_may_load_async_follows_what_the_tiers_hold(
     assert always.connector.may_load_async(always.add("c", [*PROMPT, 6]))  # host memory
     never = engine(engines, model_dir, reader_config(tmp_path), async_loads="never")
     assert not never.connector.may_load_async(never.add("b", [*PROMPT, 5]))
+    # With the default budget, 72 KiB from a disk is a short read: inside the step.
+    budget = engine(engines, model_dir, reader_config(tmp_path), sync_load_max_ms=20)
+    assert not budget.connector.may_load_async(budget.add("b", [*PROMPT, 5]))
 
 
 @pytest.mark.skipif(not INFLIGHT_LOADS, reason="vLLM < 0.34: no --max-num-inflight-kv-loads")
@@ -147,7 +153,8 @@ def test_a_disk_hit_starts_loading_while_the_batch_is_full(
     model_dir: Path, tmp_path: Path, engines: list[Engine]
 ) -> None:
     save(engine(engines, model_dir, lmtier_overrides(tmp_path)), "w", PROMPT)
-    config = make_vllm_config(model_dir, {"config": reader_config(tmp_path)})
+    extra = {"config": reader_config(tmp_path), "sync_load_max_ms": 0}
+    config = make_vllm_config(model_dir, extra)
     config.scheduler_config.max_num_seqs = 1  # one running request fills the batch
     config.scheduler_config.max_num_inflight_kv_loads = 1
     reader = Engine(config)
