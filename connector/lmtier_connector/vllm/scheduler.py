@@ -64,6 +64,7 @@ from lmtier_connector.vllm.common import (
     LMTierConnectorMetadata,
     LoadSpec,
     SaveSpec,
+    SaveWindow,
     chunk_keys,
 )
 
@@ -123,8 +124,12 @@ class SchedulerHalf:
         *,
         saves: bool = True,
         num_savers: int = 1,
+        group: int = 0,
+        window: SaveWindow | None = None,
     ) -> None:
         self.cache = cache
+        self.group = group  # vLLM's KV cache group whose block ids this half plans with
+        self.window = window  # a sliding-window group's (lmtier_connector.vllm.hybrid)
         self.settings = settings
         self.block_size = block_size
         self.chunk_size = cache.chunk_size
@@ -216,6 +221,11 @@ class SchedulerHalf:
         self._lookups[req_id] = _PendingLookup(wanted, future)
         return None
 
+    def note_answer(self, req_id: str, num_computed: int, asynchronous: bool) -> None:
+        """Take a hit found elsewhere (the hybrid scheduler's lookup over every group)
+        as this half's answer, for :meth:`update_state_after_alloc`."""
+        self._answers[req_id] = _Answer(num_computed, asynchronous)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -231,7 +241,9 @@ class SchedulerHalf:
             return
         start = answer.num_computed
         end = start + num_external_tokens
-        state.block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = list(blocks.get_block_ids()[self.group])
+        if self.window is not None:
+            start = self.window.load_start(start, end)
         first, stop = start // self.chunk_size, end // self.chunk_size
         self._async_loads.append(
             LoadSpec(
@@ -257,7 +269,7 @@ class SchedulerHalf:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = list(new.block_ids[self.group])
                 # Chunks inside vLLM's own prefix-cache hit were saved when this engine
                 # computed them: no save plan (it would hold the request's blocks one
                 # step longer for a save the worker skips).
@@ -271,9 +283,9 @@ class SchedulerHalf:
                 continue
             new_ids = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.block_ids = list(new_ids[self.group]) if new_ids is not None else []
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                state.block_ids.extend(new_ids[self.group])
             self._plan(state, cached.num_computed_tokens[index], scheduler_output, meta)
         for req_id in scheduler_output.finished_req_ids:
             self._states.pop(req_id, None)
@@ -290,6 +302,8 @@ class SchedulerHalf:
         if state.num_load_tokens > 0:
             end = num_computed
             start = end - state.num_load_tokens
+            if self.window is not None:
+                start = self.window.load_start(start, end)
             first, stop = start // self.chunk_size, end // self.chunk_size
             meta.loads.append(
                 LoadSpec(
@@ -309,6 +323,8 @@ class SchedulerHalf:
             done = min(done, request.num_prompt_tokens)
         stop = self._num_keyable_chunks(request, done)
         first = state.next_save_chunk
+        if self.window is not None:
+            first, stop = self.window.save_range(request, first, stop)
         if stop <= first:
             return
         refs = self.refs(request, first, stop)
