@@ -414,6 +414,12 @@ class TransferEngine:
             runs = _make_runs(pages, block_ids, counts, unique=False)
         return SaveHandle(pages, runs, views, stream, self._timing)
 
+    def fence_saves(self) -> None:
+        """Make the current stream wait for every save enqueued so far, so that the
+        blocks they read may be rewritten (a no-op on the CPU: its copies are done)."""
+        if self._save_stream is not None:
+            torch.cuda.current_stream(self._pages.device).wait_stream(self._save_stream)
+
     def _check_host_buffers(self, views: Sequence[torch.Tensor]) -> None:
         for view in views:
             if view.device != self._pages.device and not (

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
+import msgspec
 from vllm.distributed.kv_events import BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -22,6 +23,9 @@ from lmtier.chunks.vllm_hash import bind_block_hash
 from lmtier.config import Secret
 from lmtier.config.secrets import read_secret_file
 from lmtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 __all__ = [
     "AsyncLoads",
@@ -33,6 +37,7 @@ __all__ = [
     "LoadSpec",
     "PageInterior",
     "SaveSpec",
+    "SaveWindow",
     "SidecarSettings",
     "chunk_keys",
     "stored_chunk_event",
@@ -275,15 +280,51 @@ def stored_chunk_event(event: BlockStored, num_chunks: int, index: int) -> Block
     tokens = len(event.token_ids) // num_chunks
     first = index * per
     parent = event.block_hashes[first - 1] if first else event.parent_block_hash
-    return BlockStored(
+    # A copy with every other field kept (medium, LoRA, a hybrid model's group).
+    return msgspec.structs.replace(
+        event,
         block_hashes=list(event.block_hashes[first : first + per]),
         parent_block_hash=parent,
         token_ids=list(event.token_ids[index * tokens : (index + 1) * tokens]),
-        block_size=event.block_size,
-        lora_id=event.lora_id,
-        medium=event.medium,
-        lora_name=event.lora_name,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SaveWindow:
+    """Which chunks a sliding-window KV cache group keeps and loads
+    (:mod:`lmtier_connector.vllm.hybrid`).
+
+    A forward pass from position ``H`` on reads the ``reach`` tokens before ``H`` in
+    such a layer (``sliding_window - 1``, plus vLLM's ``extra_retained_tokens``); vLLM
+    holds null blocks below them. So a hit ending at chunk boundary ``c`` needs the
+    group's chunks from :meth:`first_chunk` ``(c)`` to ``c - 1``, and a load writes
+    only the blocks from :meth:`load_start` on. A request saves the chunks of the
+    windows before its two anchors (:meth:`save_range`): the last chunk boundary of its
+    prompt (a longer prompt continuing it hits there) and the last boundary before its
+    last prompt token (the same prompt again hits there); they differ only when the
+    prompt is a whole number of chunks.
+    """
+
+    reach: int
+    block_size: int
+    chunk_size: int
+
+    def load_start(self, start: int, end: int) -> int:
+        """The first token to load of ``[start, end)``: the first block vLLM holds for
+        a hit ending at ``end`` (block-aligned), never before ``start``."""
+        held = max(0, end - self.reach) // self.block_size * self.block_size
+        return min(end, max(start, held))
+
+    def first_chunk(self, end_chunk: int) -> int:
+        """The first chunk a hit ending at chunk boundary ``end_chunk`` needs."""
+        return self.load_start(0, end_chunk * self.chunk_size) // self.chunk_size
+
+    def save_range(self, request: Request, first: int, stop: int) -> tuple[int, int]:
+        """The part of chunks ``[first, stop)`` of ``request`` to save: inside the
+        windows before its anchors (class docstring)."""
+        prompt = request.num_prompt_tokens
+        low, high = (prompt - 1) // self.chunk_size, prompt // self.chunk_size
+        return max(first, self.first_chunk(low)), min(stop, high)
 
 
 class LMTierKVEvents(KVConnectorKVEvents):

@@ -53,6 +53,11 @@ Tensor parallelism: each rank stores its own shard under a namespace naming its
 rank. MLA caches one latent per token, the same on every rank: only rank 0 saves,
 every rank loads, and the namespace says tp 1 / rank 0. The scheduler looks up
 rank 0's namespace; a rank missing its shard reports a load error (recomputed).
+
+Hybrid models (``SupportsHMA``: full-attention and sliding-window KV cache groups,
+vLLM's hybrid allocator kept on) are cached per group, each with its own cache and
+namespace; sliding-window groups keep only the chunks of a window
+(:mod:`lmtier_connector.vllm.hybrid`). Mamba/SSM state groups are refused.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
@@ -86,6 +92,9 @@ from lmtier_connector.vllm.geometry import (
     lmtier_config_of,
     tp_rank_of,
 )
+from lmtier_connector.vllm.hybrid import group_configs, group_revision, is_hybrid, kv_groups_of
+from lmtier_connector.vllm.hybrid_scheduler import HybridScheduler
+from lmtier_connector.vllm.hybrid_worker import HybridWorker
 from lmtier_connector.vllm.pages import check_page_interior, page_interior_of
 from lmtier_connector.vllm.scheduler import SchedulerHalf
 from lmtier_connector.vllm.stats import LMTierConnectorStats, LMTierPromMetrics, route_logs_to_vllm
@@ -118,7 +127,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class LMTierConnector(KVConnectorBase_V1):
+class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by lmtier's tiers. See the module docstring."""
 
     def __init__(
@@ -157,14 +166,43 @@ class LMTierConnector(KVConnectorBase_V1):
             0 if mla else rank,
             settings.sidecar,
         )
-        cache = caches.acquire(self._cache_key)
-        self._cache = cache
+        hybrid = kv_cache_config is not None and is_hybrid(kv_cache_config)
+        groups = kv_groups_of(spec, kv_cache_config, config.chunk_size) if hybrid else []
+        # One cache per KV cache group of a hybrid model (module docstring).
+        self._cache_keys = [self._cache_key]
+        if groups:
+            _, _, model_id, revision, _, group_rank, sidecar = self._cache_key
+            self._cache_keys = [
+                (
+                    group_config,
+                    group.spec,
+                    model_id,
+                    group_revision(revision, group, len(groups)),
+                    tp_size,
+                    group_rank,
+                    sidecar,
+                )
+                for group_config, group in zip(group_configs(config, groups), groups, strict=True)
+            ]
+        group_caches = [caches.acquire(key) for key in self._cache_keys]
+        cache = self._cache = group_caches[0]
         self._closed = False
-        self._scheduler: SchedulerHalf | None = None
-        self._worker: WorkerHalf | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            savers = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerHalf | HybridScheduler | None = None
+        self._worker: WorkerHalf | HybridWorker | None = None
+        savers = 1 if mla else vllm_config.parallel_config.tensor_parallel_size
+        if role == KVConnectorRole.SCHEDULER and groups:
+            halves = [
+                SchedulerHalf(
+                    c, settings, block_size, num_savers=savers, group=g.index, window=g.window
+                )
+                for c, g in zip(group_caches, groups, strict=True)
+            ]
+            self._scheduler = HybridScheduler(halves, groups, settings)
+        elif role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(cache, settings, block_size, num_savers=savers)
+        elif groups:
+            workers = [WorkerHalf(c, block_size) for c in group_caches]
+            self._worker = HybridWorker(workers, groups)
         else:
             self._worker = WorkerHalf(cache, block_size, saves=not mla or rank == 0)
 
@@ -175,12 +213,12 @@ class LMTierConnector(KVConnectorBase_V1):
         """This side's cache (for stats and tests)."""
         return self._cache
 
-    def _sched(self) -> SchedulerHalf:
+    def _sched(self) -> SchedulerHalf | HybridScheduler:
         if self._scheduler is None:
             raise RuntimeError("scheduler-side method called on a WORKER connector")
         return self._scheduler
 
-    def _work(self) -> WorkerHalf:
+    def _work(self) -> WorkerHalf | HybridWorker:
         if self._worker is None:
             raise RuntimeError("worker-side method called on a SCHEDULER connector")
         return self._worker
@@ -248,7 +286,17 @@ class LMTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request, block_ids), None
+        return self._sched().request_finished(request, block_ids), None  # type: ignore[arg-type]
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator (``SupportsHMA``) calls this, with one block table per
+        KV cache group, instead of :meth:`request_finished`."""
+        scheduler = self._sched()
+        if isinstance(scheduler, HybridScheduler):
+            return scheduler.request_finished(request, block_ids), None
+        return scheduler.request_finished(request, block_ids[0]), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Collect the workers' ``BlockStored`` (stored chunks) and ``BlockRemoved`` (chunks
@@ -258,7 +306,7 @@ class LMTierConnector(KVConnectorBase_V1):
             self._sched().add_worker_events(events.get_all_events())
         stats = connector_output.kv_connector_stats
         if stats is not None:  # the workers' read rates, for the sync-or-async choice
-            self._sched().load_paths.observe(stats.data)
+            self._sched().observe_stats(stats.data)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched().take_events()
@@ -350,4 +398,5 @@ class LMTierConnector(KVConnectorBase_V1):
             self._scheduler.shutdown()
         if not self._closed:
             self._closed = True
-            caches.release(self._cache_key)
+            for key in self._cache_keys:
+                caches.release(key)

@@ -82,20 +82,29 @@ def kv_spec_of(
 
 
 def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse models whose KV is not one group of full attention (or MLA) layers.
+    """Refuse KV cache groups the connector cannot cache.
 
-    A chunk is every layer's KV of its tokens; hybrid models (sliding-window,
-    chunked-local or Mamba layers beside full attention, or layers of different
-    shapes) keep per-group block tables and drop blocks outside a window, so their
-    KV cannot be cached that way. The error names the groups vLLM made.
+    One group of full attention (or MLA) layers is cached as one chunk per token range
+    (every layer); several groups of full-attention and sliding-window layers (vLLM's
+    hybrid allocator) are cached per group (:mod:`lmtier_connector.vllm.hybrid`).
+    Anything else (Mamba/SSM state, chunked local attention, MLA beside other groups,
+    groups of other block sizes) is a ConfigError naming the groups vLLM made.
     """
     if kv_cache_config is None:
         return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: PLC0415
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
-    supported = (FullAttentionSpec, MLAAttentionSpec)
-    if len(groups) == 1 and type(groups[0].kv_cache_spec) in supported:
+    if len(groups) == 1 and type(groups[0].kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return
+    hybrid = (FullAttentionSpec, SlidingWindowSpec)
+    sizes = {group.kv_cache_spec.block_size for group in groups}
+    if groups and len(sizes) == 1 and all(type(g.kv_cache_spec) in hybrid for g in groups):
         return
     described = "; ".join(
         f"group {index}: {type(group.kv_cache_spec).__name__} over "
@@ -103,10 +112,18 @@ def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
         f"{', ...' if len(group.layer_names) > 2 else ''})"
         for index, group in enumerate(groups)
     )
+    mamba = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+    why = (
+        f"Mamba/SSM state groups ({', '.join(map(str, mamba))}) hold a recurrent state, "
+        "not per-token KV, and are not cached"
+        if mamba
+        else "chunked local attention, MLA beside other groups and groups of different "
+        "block sizes are not supported"
+    )
     raise ConfigError(
-        "LMTierConnector caches models whose KV is one group of full-attention (or MLA) "
-        f"layers; this model's KV cache has {len(groups)} group(s): {described or 'none'}. "
-        "Hybrid models (sliding window, chunked local attention, Mamba) are not supported"
+        "LMTierConnector caches one group of full-attention (or MLA) layers, or groups of "
+        f"full-attention and sliding-window layers of one block size; this model's KV "
+        f"cache has {len(groups)} group(s): {described or 'none'}. {why}"
     )
 
 

@@ -71,9 +71,14 @@ class LoadPaths:
 
     def asynchronous(self, spans: Iterable[TierSpan]) -> bool:
         """Whether a hit served by ``spans`` loads in the background."""
+        return self.decide(self.expected_seconds(spans))
+
+    def decide(self, expected_s: float) -> bool:
+        """Whether a hit whose read should take ``expected_s`` loads in the background
+        (a hybrid model's hit adds up its groups' reads)."""
         if self.mode != "auto":
             return self.mode == "always"
-        return self.expected_seconds(spans) > self.max_sync_s
+        return expected_s > self.max_sync_s
 
     def observe(self, stats: Mapping[str, float]) -> None:
         """Update the rates from the workers' ``read_bytes|TIER`` and

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -71,6 +71,7 @@ from lmtier_connector.vllm.common import (
     LMTierConnectorMetadata,
     LoadSpec,
     SaveSpec,
+    SaveWindow,
     chunk_keys,
 )
 from lmtier_connector.vllm.hit_sources import FoundHit
@@ -131,8 +132,12 @@ class SchedulerHalf:
         *,
         saves: bool = True,
         num_savers: int = 1,
+        group: int = 0,
+        window: SaveWindow | None = None,
     ) -> None:
         self.cache = cache
+        self.group = group  # vLLM's KV cache group whose block ids this half plans with
+        self.window = window  # a sliding-window group's (lmtier_connector.vllm.hybrid)
         self.settings = settings
         self.block_size = block_size
         self.chunk_size = cache.chunk_size
@@ -202,11 +207,15 @@ class SchedulerHalf:
         tokens = max(0, hit_end - num_computed_tokens)
         asynchronous = tokens > 0 and self.load_paths.asynchronous(found.spans)
         self._answers[req_id] = _Answer(num_computed_tokens, asynchronous)
+        self.note_hit(req_id, FoundHit(num_computed_tokens, first, found.spans), tokens)
+        return tokens, asynchronous
+
+    def note_hit(self, req_id: str, found: FoundHit, tokens: int) -> None:
+        """Keep what a lookup found until vLLM asks where the hit came from."""
         if tokens > 0:
-            self._hits[req_id] = FoundHit(num_computed_tokens, first, found.spans)
+            self._hits[req_id] = found
         else:
             self._hits.pop(req_id, None)
-        return tokens, asynchronous
 
     def hit_sources(self, request: Request, num_tokens: int) -> dict[CacheHitSource, int]:
         """The ``num_tokens`` external tokens vLLM took from the last hit reported for
@@ -217,6 +226,10 @@ class SchedulerHalf:
         if found is None:  # never: vLLM asks only after a hit
             return FoundHit(0, 0, ()).sources(num_tokens, self.chunk_size)
         return found.sources(num_tokens, self.chunk_size, on_this_host=self._on_this_host)
+
+    def observe_stats(self, stats: Mapping[str, float]) -> None:
+        """The workers' counters of one step: their read rates, for the load paths."""
+        self.load_paths.observe(stats)
 
     def may_load_async(self, request: Request) -> bool:
         """Whether a hit of ``request`` would load asynchronously, told without I/O:
@@ -266,6 +279,11 @@ class SchedulerHalf:
         self._lookups[req_id] = _PendingLookup(wanted, future)
         return None
 
+    def note_answer(self, req_id: str, num_computed: int, asynchronous: bool) -> None:
+        """Take a hit found elsewhere (the hybrid scheduler's lookup over every group)
+        as this half's answer, for :meth:`update_state_after_alloc`."""
+        self._answers[req_id] = _Answer(num_computed, asynchronous)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -281,7 +299,9 @@ class SchedulerHalf:
             return
         start = answer.num_computed
         end = start + num_external_tokens
-        state.block_ids = list(blocks.get_block_ids()[0])
+        state.block_ids = list(blocks.get_block_ids()[self.group])
+        if self.window is not None:
+            start = self.window.load_start(start, end)
         first, stop = start // self.chunk_size, end // self.chunk_size
         self._async_loads.append(
             LoadSpec(
@@ -307,7 +327,7 @@ class SchedulerHalf:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = list(new.block_ids[self.group])
                 # Chunks inside vLLM's own prefix-cache hit were saved when this engine
                 # computed them: no save plan (it would hold the request's blocks one
                 # step longer for a save the worker skips).
@@ -322,9 +342,9 @@ class SchedulerHalf:
             new_ids = cached.new_block_ids[index]
             # vLLM <= 0.33 resumes a preempted request here; 0.34 sends it as a new one.
             if req_id in getattr(cached, "resumed_req_ids", ()):
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.block_ids = list(new_ids[self.group]) if new_ids is not None else []
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                state.block_ids.extend(new_ids[self.group])
             self._plan(state, cached.num_computed_tokens[index], scheduler_output, meta)
         for req_id in scheduler_output.finished_req_ids:
             self._states.pop(req_id, None)
@@ -341,6 +361,8 @@ class SchedulerHalf:
         if state.num_load_tokens > 0:
             end = num_computed
             start = end - state.num_load_tokens
+            if self.window is not None:
+                start = self.window.load_start(start, end)
             first, stop = start // self.chunk_size, end // self.chunk_size
             meta.loads.append(
                 LoadSpec(
@@ -360,6 +382,8 @@ class SchedulerHalf:
             done = min(done, request.num_prompt_tokens)
         stop = self._num_keyable_chunks(request, done)
         first = state.next_save_chunk
+        if self.window is not None:
+            first, stop = self.window.save_range(request, first, stop)
         if stop <= first:
             return
         refs = self.refs(request, first, stop)

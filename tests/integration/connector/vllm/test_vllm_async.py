@@ -1,7 +1,7 @@
 """LMTierConnector's second version under vLLM's real Scheduler: asynchronous loads
 from disk and a real redis-server, lookups that answer "not yet", faults mid-load,
 preemption during a load, chunked prefill with saves, both step orders of vLLM's
-model runner, and the refusal of hybrid models.
+model runner, and the refusal of chunked local attention beside full attention.
 
 Each engine step is the whole loop vLLM's engine core runs (:meth:`Engine.run_step`):
 schedule, the worker around a fake forward pass in the runner's order, and the
@@ -30,10 +30,10 @@ with warnings.catch_warnings():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
-        SlidingWindowSpec,
     )
     from vllm.v1.request import Request, RequestStatus
 
@@ -423,16 +423,20 @@ def test_worker_step_follows_the_runner_order(
 # ---- hybrid models -----------------------------------------------------------------------
 
 
-def test_hybrid_models_are_refused_at_startup(model_dir: Path, tmp_path: Path) -> None:
+def test_chunked_local_hybrid_models_are_refused_at_startup(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Full attention beside sliding window is cached (test_vllm_hybrid.py); chunked
+    local attention is not."""
     full = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
     )
-    window = SlidingWindowSpec(
+    window = ChunkedLocalAttentionSpec(
         block_size=BLOCK,
         num_kv_heads=HEADS,
         head_size=HEAD_DIM,
         dtype=torch.float32,
-        sliding_window=128,
+        attention_chunk_size=128,
     )
     config = KVCacheConfig(
         num_blocks=64,
@@ -444,6 +448,6 @@ def test_hybrid_models_are_refused_at_startup(model_dir: Path, tmp_path: Path) -
     )
     vllm_config = make_vllm_config(model_dir, {"config": lmtier_overrides(tmp_path)})
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(ConfigError, match=r"2 group\(s\).*SlidingWindowSpec") as raised:
+        with pytest.raises(ConfigError, match=r"2 group\(s\).*ChunkedLocalAttentionSpec") as raised:
             LMTierConnector(vllm_config, role, config)
         assert "FullAttentionSpec over 1 layers (model.layers.0" in str(raised.value)
