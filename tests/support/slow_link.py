@@ -7,14 +7,20 @@ in threads of the test process and listens on 127.0.0.1 only.
 
     with SlowLink(target_port, bytes_per_s=1_600_000) as link:
         url = f"redis://127.0.0.1:{link.port}/0"
+
+It also injects a fault at a precise moment: :meth:`SlowLink.trip_on_reply` runs an
+action (kill the server) when the first large reply starts to flow back, that is in
+the middle of a load, never during the small replies of lookups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 __all__ = ["SlowLink"]
@@ -46,9 +52,10 @@ class _Bucket:
 
 class SlowLink:
     """A TCP proxy from ``127.0.0.1:port`` to ``127.0.0.1:target_port`` moving at most
-    ``bytes_per_s`` in each direction, all connections together."""
+    ``bytes_per_s`` in each direction, all connections together (``math.inf``: a plain
+    proxy, for :meth:`trip_on_reply`)."""
 
-    def __init__(self, target_port: int, bytes_per_s: float) -> None:
+    def __init__(self, target_port: int, bytes_per_s: float = math.inf) -> None:
         self.target_port = target_port
         self.bytes_per_s = bytes_per_s
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -57,6 +64,8 @@ class SlowLink:
         self._up, self._down = _Bucket(bytes_per_s), _Bucket(bytes_per_s)
         self._lock = threading.Lock()
         self._closed = False
+        self._trip: tuple[int, Callable[[], None]] | None = None
+        self.tripped = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="slow-link", daemon=True)
 
     def __enter__(self) -> SlowLink:
@@ -70,6 +79,23 @@ class SlowLink:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def trip_on_reply(self, min_bytes: int, action: Callable[[], None]) -> None:
+        """Arm a fault: the first read of at least ``min_bytes`` (at most 16 KiB) coming
+        back from the server runs ``action`` and cuts that connection instead of
+        forwarding it; once (then :attr:`tripped` is set)."""
+        with self._lock:
+            self._trip = (min(min_bytes, _BLOCK), action)
+
+    def _tripwire(self, size: int) -> bool:
+        """Whether a read of ``size`` bytes from the server trips the armed fault."""
+        with self._lock:
+            if self._trip is None or size < self._trip[0]:
+                return False
+            action, self._trip = self._trip[1], None
+        action()
+        self.tripped.set()
+        return True
 
     def close(self) -> None:
         """Stop accepting and cut every connection."""
@@ -106,13 +132,17 @@ class SlowLink:
                     target=self._pump, args=(source, sink, bucket), daemon=True
                 ).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, bucket: _Bucket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, bucket: _Bucket) -> None:
         try:
             while True:
                 data = source.recv(_BLOCK)
                 if not data:
                     break
+                if bucket is self._down and self._tripwire(len(data)):
+                    for sock in (source, sink):  # the reply never arrives whole
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                    return
                 bucket.take(len(data))
                 sink.sendall(data)
         except OSError:
