@@ -80,6 +80,7 @@ def test_a_restarted_engine_loads_from_disk_as_its_own_prefix_cache_hit(
             assert got.cached_tokens == hit.cached_tokens, engine.tail()
             assert got.output == hit.output  # tokens and logprobs, bitwise
         assert engine.alive()
+        assert "lmtier: registered" in engine.log()  # lmtier's records reach vLLM's log
         external = engine.metric("vllm:external_prefix_cache_hits_total")
         assert external == first_run.hits[SHORT].cached_tokens + first_run.hits[LONG].cached_tokens
         other = "async" if path == "sync" else "sync"
