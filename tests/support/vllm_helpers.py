@@ -421,6 +421,7 @@ class Engine(SchedulerHalf):
         self.worker = LMTierConnector(worker_config or vllm_config, KVConnectorRole.WORKER, config)
         self.kv = allocate_kv_cache(config, torch.device("cpu"), layout)
         self.worker.register_kv_caches(self.kv)
+        self.stats_seen: list[Any] = []  # the worker's connector stats, step by step
 
     def step(self) -> tuple[SchedulerOutput, LMTierConnectorMetadata]:
         """Schedule, then run the worker connector around a fake forward pass."""
@@ -453,13 +454,16 @@ class Engine(SchedulerHalf):
             self.worker, self.kv, out, forward=layer_forward, geometry=self.geometry, **options
         )
         sending, receiving = self.worker.get_finished(out.finished_req_ids)
+        stats = self.worker.get_kv_connector_stats()
         kv_output = KVConnectorOutput(
             finished_sending=sending,
             finished_recving=receiving,
             invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
             kv_cache_events=self.worker.get_kv_connector_kv_cache_events(),
-            kv_connector_stats=self.worker.get_kv_connector_stats(),
+            kv_connector_stats=stats,
         )
+        if stats is not None:
+            self.stats_seen.append(stats)
         self.scheduler.update_from_output(out, runner_output(self.scheduler, out, kv_output))
         return out, meta
 
