@@ -83,6 +83,10 @@ def test_a_restarted_engine_loads_from_disk_as_its_own_prefix_cache_hit(
         assert "lmtier: registered" in engine.log()  # lmtier's records reach vLLM's log
         external = engine.metric("vllm:external_prefix_cache_hits_total")
         assert external == first_run.hits[SHORT].cached_tokens + first_run.hits[LONG].cached_tokens
+        # Counted by source on vLLM's own counter (get_external_cache_hit_sources).
+        by_source = "vllm:prompt_tokens_cached_by_source_total"
+        assert engine.metric(by_source, source="disk") == external
+        assert engine.metric(by_source, source="external_unspecified") == 0
         other = "async" if path == "sync" else "sync"
         assert engine.metric("lmtier:loaded_chunks_total", mode=path) == external // CHUNK
         assert engine.metric("lmtier:loaded_chunks_total", mode=other) == 0

@@ -112,6 +112,9 @@ def test_two_engines_share_a_redis_tier(redis_pair: RedisPair) -> None:
     assert got.cached_tokens == hit.cached_tokens == 768, redis_pair.b.tail()
     assert got.output == hit.output
     assert redis_pair.b.metric("lmtier:loaded_chunks_total", tier="redis") == 3
+    # vLLM has no source for a remote store: its "external_unspecified".
+    by_source = "vllm:prompt_tokens_cached_by_source_total"
+    assert redis_pair.b.metric(by_source, source="external_unspecified") == 768
 
 
 def test_redis_killed_during_a_load_costs_a_recompute(redis_pair: RedisPair) -> None:
