@@ -58,25 +58,11 @@ with warnings.catch_warnings():
         make_vllm_config,
         resumed_req_ids,
         worker_step,
-        write_model_dir,
     )
 
 __all__ = ["redis_server"]  # the module-scoped fixture, imported for this module
 
 PROMPT = PREFIX[:200]  # three 64-token chunks and 8 tokens
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 @pytest.fixture

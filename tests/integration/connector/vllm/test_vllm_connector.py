@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,21 +55,7 @@ with warnings.catch_warnings():
         kv_cache_config,
         lmtier_overrides,
         make_vllm_config,
-        write_model_dir,
     )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def test_the_factory_builds_our_connector(

@@ -49,11 +49,6 @@ with warnings.catch_warnings():
     )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
 # ---- tensor parallelism and MLA: worker connectors of two ranks in one process ----
 # vLLM builds a TP=2 VllmConfig on the CPU; only the rank, which the connector reads
 # from vLLM's TP process group (none exists in one process), is patched in.

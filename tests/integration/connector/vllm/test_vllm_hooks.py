@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +33,12 @@ with warnings.catch_warnings():
         finish,
         lmtier_overrides,
         make_vllm_config,
-        write_model_dir,
     )
 
 HOST, DISK = CacheHitSource.HOST, CacheHitSource.DISK
 PROMPT = PREFIX[:200]  # three 64-token chunks and 8 tokens
 INFLIGHT_LOADS = "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
 """vLLM >= 0.34: ``--max-num-inflight-kv-loads`` and ``may_load_async``."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def engine(engines: list[Engine], model_dir: Path, config: dict[str, Any], **extra: Any) -> Engine:

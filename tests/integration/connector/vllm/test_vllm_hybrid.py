@@ -95,6 +95,7 @@ class HybridEngine(Engine):
         self.worker = LMTierConnector(vllm_config, KVConnectorRole.WORKER, config)
         self.kv = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.BLHNC)
         self.worker.register_kv_caches(self.kv)
+        self.stats_seen = []
 
     def blocks(self, req_id: str, layer: int) -> list[int]:
         ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[GROUP_OF[layer]]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,23 +30,9 @@ with warnings.catch_warnings():
         finish,
         lmtier_overrides,
         make_vllm_config,
-        write_model_dir,
     )
 
 PROMPT = PREFIX[:200]  # three 64-token chunks and 8 tokens
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for engine in made:
-        engine.close()
 
 
 def test_a_short_disk_read_loads_in_the_step_and_a_slow_disk_in_the_background(

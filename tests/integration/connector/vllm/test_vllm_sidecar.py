@@ -61,17 +61,11 @@ with warnings.catch_warnings():
         kv_cache_config,
         make_request,
         make_vllm_config,
-        write_model_dir,
     )
 
 WORKER = ("-m", "support.vllm_worker_process")
 TOKEN = "sidecar-test-token"
 PROMPT = PREFIX[:200]  # three chunks of 64 tokens, and a tail
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def sidecar_settings(disk: Path | None = None) -> dict[str, Any]:
