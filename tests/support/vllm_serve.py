@@ -40,6 +40,9 @@ __all__ = [
     "BLOCK_SIZE",
     "Completion",
     "VllmServer",
+    "HYBRID_LAYER_TYPES",
+    "HYBRID_WINDOW",
+    "build_tiny_hybrid_model",
     "build_tiny_model",
     "live_engine_missing",
     "words",
@@ -53,6 +56,10 @@ START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
 VOCAB = 2000
 WORDS = 1900
+HYBRID_WINDOW = 512
+"""The sliding window of :func:`build_tiny_hybrid_model`'s windowed layers, in tokens."""
+HYBRID_LAYER_TYPES = ("sliding_attention",) * 3 + ("full_attention",)
+"""Its layers: Gemma-3's n:1 pattern (there 5:1), 3:1 here."""
 
 
 def live_engine_missing() -> str | None:
@@ -107,6 +114,63 @@ def build_tiny_model(directory: Path) -> Path:
     ).save_pretrained(directory)
     done.touch()
     return directory
+
+
+def build_tiny_hybrid_model(directory: Path) -> Path:
+    """A random bf16 Gemma-3 text model (``Gemma3ForCausalLM``: hidden 256, 4 layers, 4
+    heads of 64, 2 KV heads), three layers attending within a window of
+    :data:`HYBRID_WINDOW` tokens and the last one fully (:data:`HYBRID_LAYER_TYPES`), with
+    the word-level tokenizer of :func:`build_tiny_model`, saved in ``directory`` (once).
+
+    vLLM's hybrid KV cache allocator gives it one KV cache group per layer here (its
+    groups hold equally many layers: the "1" of the n:1 pattern), three of them
+    sliding-window groups."""
+    done = directory / ".complete"
+    if done.exists():
+        return directory
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=len(HYBRID_LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        sliding_window=HYBRID_WINDOW,
+        layer_types=list(HYBRID_LAYER_TYPES),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    _save_word_tokenizer(directory)
+    done.touch()
+    return directory
+
+
+def _save_word_tokenizer(directory: Path) -> None:
+    """The word-level tokenizer of :func:`build_tiny_model` (``[UNK]``, ``<s>``,
+    ``</s>``, then ``w0 .. w1899``), saved in ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    trainer = trainers.WordLevelTrainer(  # type: ignore[call-arg]
+        vocab_size=VOCAB, special_tokens=["[UNK]", "<s>", "</s>"]
+    )
+    tokenizer.train_from_iterator([" ".join(f"w{i}" for i in range(WORDS))] * 3, trainer)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="[UNK]"
+    ).save_pretrained(directory)
 
 
 def words(count: int, seed: int = 0) -> str:
