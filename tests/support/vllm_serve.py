@@ -83,12 +83,7 @@ def build_tiny_model(directory: Path) -> Path:
     if done.exists():
         return directory
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -103,15 +98,7 @@ def build_tiny_model(directory: Path) -> Path:
         torch_dtype="bfloat16",
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
-    trainer = trainers.WordLevelTrainer(  # type: ignore[call-arg]
-        vocab_size=VOCAB, special_tokens=["[UNK]", "<s>", "</s>"]
-    )
-    tokenizer.train_from_iterator([" ".join(f"w{i}" for i in range(WORDS))] * 3, trainer)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="[UNK]"
-    ).save_pretrained(directory)
+    _save_word_tokenizer(directory)
     done.touch()
     return directory
 
@@ -157,7 +144,7 @@ def build_tiny_hybrid_model(directory: Path) -> Path:
 
 
 def _save_word_tokenizer(directory: Path) -> None:
-    """The word-level tokenizer of :func:`build_tiny_model` (``[UNK]``, ``<s>``,
+    """The word-level tokenizer of the tiny models (``[UNK]``, ``<s>``,
     ``</s>``, then ``w0 .. w1899``), saved in ``directory``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
