@@ -29,9 +29,10 @@ echo "{name} $*" >> "{log}"
 PYTHON3 = """#!/bin/sh
 echo "python3 $*" >> "{log}"
 if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
-    mkdir -p "$3/bin"
+    mkdir -p "$3/bin" "$3/lib/site-packages"
     echo "home = /usr/bin" > "$3/pyvenv.cfg"
     printf '#!/bin/sh\\necho "venv-python $*" >> "{log}"\\n' > "$3/bin/python"
+    printf 'if [ "$1" = "-c" ]; then echo "%s/lib/site-packages"; fi\\n' "$3" >> "$3/bin/python"
     chmod +x "$3/bin/python"
 fi
 """
@@ -87,13 +88,17 @@ def test_the_packages_go_into_its_own_environment_and_everything_runs_there(
     # Not one install by the interpreter that ran the script, nor by a bare pip.
     assert all(c.startswith("venv-python -m pip install") for c in installs), installs
     assert f"python3 -m venv {repo / '.venv-ci'}" in made
+    assert f"python3 -m venv {repo / '.venv-live'}" in made  # vLLM's CPU build: its own
     for tool in (
         "-m ruff check .",
         "-m ruff format --check .",
         "-m mypy",
-        "-m pytest -q -n 2 --durations=30",
+        "-m pytest -q -n 2 --durations=30 -m not live",
+        "-m pytest -q tests/live --durations=10",
     ):
         assert f"venv-python {tool}" in made, made
+    # The live environment's metadata-only "vllm" went into its own site-packages.
+    assert (repo / ".venv-live/lib/site-packages/vllm-0.32.0+cpu.dist-info/METADATA").exists()
     assert not [c for c in made if c.split()[0] in ("ruff", "mypy", "python", "apt-get")]
 
 
