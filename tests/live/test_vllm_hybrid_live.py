@@ -30,12 +30,13 @@ import pytest
 
 from support.disk_files import chunk_files
 from support.vllm_serve import (
-    BLOCK_SIZE,
     HYBRID_LAYER_TYPES,
     HYBRID_WINDOW,
     Completion,
     VllmServer,
+    assert_served_as,
     build_tiny_hybrid_model,
+    reference_hits,
     words,
 )
 
@@ -96,17 +97,9 @@ def wait_for_metric(engine: VllmServer, name: str, value: float, timeout_s: floa
 def first_run(hybrid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
     root = tmp_path_factory.mktemp("hybrid")
     disk = root / "disk"
-    hits = {}
     with VllmServer(root / "first", hybrid_model, lmtier=lmtier_config(disk), args=BATCH) as first:
-        for prompt in (SHORT, LONG):
-            miss = first.complete(prompt)
-            hit = first.complete(prompt)
-            assert miss.cached_tokens == 0
-            # vLLM's own hit: whole blocks, never the last token (here whole chunks).
-            assert hit.cached_tokens == (hit.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
-            assert hit.cached_tokens % CHUNK == 0
-            assert miss.output == hit.output
-            hits[prompt] = hit
+        hits = reference_hits(first, [SHORT, LONG])
+        assert all(hit.cached_tokens % CHUNK == 0 for hit in hits.values())  # whole chunks
         saved = sum(chunks_of(hit.cached_tokens) for hit in hits.values())
         assert wait_for_metric(first, "lmtier:saved_chunks_total", saved) == saved
         log = first.log()
@@ -141,11 +134,7 @@ def test_a_restarted_engine_loads_every_group_from_disk_as_its_own_prefix_cache_
     with VllmServer(
         tmp_path, hybrid_model, lmtier=config, connector={"async_loads": mode}, args=BATCH
     ) as engine:
-        for prompt in (SHORT, LONG):
-            hit = first_run.hits[prompt]
-            got = engine.complete(prompt)
-            assert got.cached_tokens == hit.cached_tokens, engine.tail()
-            assert got.output == hit.output  # tokens and logprobs, bitwise
+        assert_served_as(engine, first_run.hits)
         # Its first 1280 tokens are LONG's full-attention chunks, but no sliding-window
         # group holds the window before them: no hit (each test's tail is its own,
         # so what the other one saved of it does not count).

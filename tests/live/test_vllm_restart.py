@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from support.vllm_serve import BLOCK_SIZE, Completion, VllmServer, words
+from support.vllm_serve import Completion, VllmServer, assert_served_as, reference_hits, words
 
 CHUNK = 256
 SHORT = words(770, seed=1)  # 3 chunks (768 tokens) + 2 to compute
@@ -52,15 +52,8 @@ class FirstRun:
 def first_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
     root = tmp_path_factory.mktemp("restart")
     disk = root / "disk"
-    hits = {}
     with VllmServer(root / "first", tiny_model, lmtier=lmtier_config(disk), args=BATCH) as first:
-        for prompt in (SHORT, LONG, *BURST):
-            miss = first.complete(prompt)
-            hit = first.complete(prompt)
-            assert miss.cached_tokens == 0
-            # vLLM's own hit: whole blocks, never the last token.
-            assert hit.cached_tokens == (hit.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
-            hits[prompt] = hit
+        hits = reference_hits(first, [SHORT, LONG, *BURST])
     return FirstRun(disk, hits)
 
 
@@ -74,11 +67,7 @@ def test_a_restarted_engine_loads_from_disk_as_its_own_prefix_cache_hit(
     with VllmServer(
         tmp_path, tiny_model, lmtier=config, connector={"async_loads": mode}, args=BATCH
     ) as engine:
-        for prompt in (SHORT, LONG):
-            hit = first_run.hits[prompt]
-            got = engine.complete(prompt)
-            assert got.cached_tokens == hit.cached_tokens, engine.tail()
-            assert got.output == hit.output  # tokens and logprobs, bitwise
+        assert_served_as(engine, {p: first_run.hits[p] for p in (SHORT, LONG)})
         assert engine.alive()
         assert "lmtier: registered" in engine.log()  # lmtier's records reach vLLM's log
         external = engine.metric("vllm:external_prefix_cache_hits_total")

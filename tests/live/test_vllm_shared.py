@@ -21,7 +21,7 @@ import pytest
 from lmtier.testing.sidecar import SidecarProcess
 from support.redis_servers import RedisServer
 from support.slow_link import SlowLink
-from support.vllm_serve import Completion, VllmServer, words
+from support.vllm_serve import Completion, VllmServer, reference_hits, words
 
 CHUNK = 256
 SHARED = words(770, seed=3)  # 3 chunks + 2 tokens
@@ -50,15 +50,6 @@ def start_both(*servers: VllmServer) -> None:
         for server in servers:
             server.stop()
         raise errors[0]
-
-
-def reference(engine: VllmServer, prompt: str) -> tuple[Completion, Completion]:
-    """The engine computes ``prompt`` (a miss), then serves it from its own prefix cache."""
-    miss = engine.complete(prompt)
-    hit = engine.complete(prompt)
-    assert miss.cached_tokens == 0
-    assert hit.cached_tokens == hit.prompt_tokens // CHUNK * CHUNK
-    return miss, hit
 
 
 @dataclass
@@ -106,7 +97,7 @@ def wait_for_keys(redis: RedisServer, count: int) -> None:
 
 
 def test_two_engines_share_a_redis_tier(redis_pair: RedisPair) -> None:
-    _, hit = reference(redis_pair.a, SHARED)
+    hit = reference_hits(redis_pair.a, [SHARED])[SHARED]
     wait_for_keys(redis_pair.redis, 3)
     got = redis_pair.b.complete(SHARED)
     assert got.cached_tokens == hit.cached_tokens == 768, redis_pair.b.tail()
@@ -120,7 +111,9 @@ def test_two_engines_share_a_redis_tier(redis_pair: RedisPair) -> None:
 def test_redis_killed_during_a_load_costs_a_recompute(redis_pair: RedisPair) -> None:
     """Runs after the sharing test (same engines): Redis dies as the first large reply
     (a chunk) flows to engine b."""
-    miss, _ = reference(redis_pair.a, KILLED)
+    misses: dict[str, Completion] = {}
+    reference_hits(redis_pair.a, [KILLED], misses)
+    miss = misses[KILLED]
     wait_for_keys(redis_pair.redis, 3 + 4)
     redis_pair.link.trip_on_reply(16 * 1024, redis_pair.redis.kill)
     got = redis_pair.b.complete(KILLED)
@@ -164,13 +157,13 @@ def test_two_engines_share_one_sidecar(tiny_model: Path, tmp_path: Path) -> None
         b = VllmServer(tmp_path / "b", tiny_model, lmtier=lmtier, connector=connector)
         try:
             start_both(a, b)
-            _, hit = reference(a, SHARED)
+            hit = reference_hits(a, [SHARED])[SHARED]
             wait_for_sidecar_chunks(sidecar.target, token_file, 3)
             got = b.complete(SHARED)
             assert got.cached_tokens == 768, b.tail()
             assert got.output == hit.output
             # And the other way round, for a prompt b computed.
-            _, b_hit = reference(b, AFTER)
+            b_hit = reference_hits(b, [AFTER])[AFTER]
             wait_for_sidecar_chunks(sidecar.target, token_file, 3 + 2)
             from_b = a.complete(AFTER)
             assert from_b.cached_tokens == 512 and from_b.output == b_hit.output

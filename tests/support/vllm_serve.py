@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +41,8 @@ __all__ = [
     "BLOCK_SIZE",
     "Completion",
     "VllmServer",
+    "assert_served_as",
+    "reference_hits",
     "HYBRID_LAYER_TYPES",
     "HYBRID_WINDOW",
     "build_tiny_hybrid_model",
@@ -379,3 +382,30 @@ class VllmServer:
             if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
                 total += float(value)
         return total
+
+
+def reference_hits(
+    engine: VllmServer, prompts: Sequence[str], misses: dict[str, Completion] | None = None
+) -> dict[str, Completion]:
+    """Each prompt computed by ``engine`` (a miss, kept in ``misses`` when given), then
+    served from its own prefix cache (whole blocks, never the last token): the hits, by
+    prompt, the reference a load from lmtier must equal bitwise."""
+    hits = {}
+    for prompt in prompts:
+        miss = engine.complete(prompt)
+        hit = engine.complete(prompt)
+        assert miss.cached_tokens == 0, engine.tail()
+        assert hit.cached_tokens == (hit.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+        hits[prompt] = hit
+        if misses is not None:
+            misses[prompt] = miss
+    return hits
+
+
+def assert_served_as(engine: VllmServer, hits: Mapping[str, Completion]) -> None:
+    """``engine`` serves each prompt of ``hits`` with the reference's cached tokens and
+    its tokens and logprobs, bitwise."""
+    for prompt, hit in hits.items():
+        got = engine.complete(prompt)
+        assert got.cached_tokens == hit.cached_tokens, engine.tail()
+        assert got.output == hit.output
