@@ -43,11 +43,8 @@ from lmtier.chunks.keys import ChunkKey
 from lmtier_connector.vllm.common import ConnectorSettings, SaveSpec, chunk_keys
 from lmtier_connector.vllm.hit_sources import FoundHit
 from lmtier_connector.vllm.hybrid import HybridMetadata, KVGroup
-from lmtier_connector.vllm.scheduler import (
-    MAX_PENDING_LOOKUPS,
-    SchedulerHalf,
-    _lookup_failed,
-)
+from lmtier_connector.vllm.lookups import keep_pending, lookup_failed, wait_briefly
+from lmtier_connector.vllm.scheduler import SchedulerHalf
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -163,17 +160,10 @@ class HybridScheduler:
             return half.cache.lookup_keys(k)
 
         future = self._lookup_thread.submit(self._search_all, keys, first, stop, blocking)
-        try:
-            return future.result(timeout=self.settings.lookup_wait_ms / 1000)
-        except TimeoutError:
-            pass
-        except Exception as exc:
-            _lookup_failed(exc, f"lookup for {req_id}")
-            return _Hit(first)
-        while len(self._pending) >= MAX_PENDING_LOOKUPS:
-            del self._pending[next(iter(self._pending))]
-        self._pending[req_id] = _Pending(first, stop, future)
-        return None
+        found = wait_briefly(future, self.settings.lookup_wait_ms, req_id, _Hit(first))
+        if found is None:
+            keep_pending(self._pending, req_id, _Pending(first, stop, future))
+        return found
 
     def _search_all(
         self,
@@ -279,5 +269,5 @@ def _result(future: Future[_Hit], first: int) -> _Hit:
     try:
         return future.result()
     except Exception as exc:
-        _lookup_failed(exc, "a background lookup")
+        lookup_failed(exc, "a background lookup")
         return _Hit(first)

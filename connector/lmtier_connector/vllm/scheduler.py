@@ -64,7 +64,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from lmtier import Lookup
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
-from lmtier.errors import PermissionDeniedError
 from lmtier_connector.vllm.common import (
     ChunkRefs,
     ConnectorSettings,
@@ -76,6 +75,7 @@ from lmtier_connector.vllm.common import (
 )
 from lmtier_connector.vllm.hit_sources import FoundHit
 from lmtier_connector.vllm.load_paths import LoadPaths
+from lmtier_connector.vllm.lookups import keep_pending, lookup_failed, wait_briefly
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,9 +89,6 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_EVENTS = 65536
 """Chunk events reported by some saving ranks but not all yet; beyond it the oldest
 are dropped (a rank that could not store a chunk never reports it)."""
-
-MAX_PENDING_LOOKUPS = 4096
-"""Background lookups kept for requests vLLM has not asked about again."""
 
 
 @dataclass(slots=True)
@@ -246,7 +243,7 @@ class SchedulerHalf:
         try:
             found = self.cache.lookup_keys_now(chunk_keys(self.cache, self.refs(request, 0, stop)))
         except Exception as exc:
-            _lookup_failed(exc, f"the load prediction for {request.request_id}")
+            lookup_failed(exc, f"the load prediction for {request.request_id}")
             return False
         if found is None:
             return True
@@ -267,17 +264,10 @@ class SchedulerHalf:
         if self._lookup_thread is None:
             self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="lmtier-lookup")
         future = self._lookup_thread.submit(self.cache.lookup_keys, keys)
-        try:
-            return future.result(timeout=self.settings.lookup_wait_ms / 1000)
-        except TimeoutError:
-            pass
-        except Exception as exc:
-            _lookup_failed(exc, f"lookup for {req_id}")
-            return Lookup(0, ())
-        while len(self._lookups) >= MAX_PENDING_LOOKUPS:
-            del self._lookups[next(iter(self._lookups))]
-        self._lookups[req_id] = _PendingLookup(wanted, future)
-        return None
+        found = wait_briefly(future, self.settings.lookup_wait_ms, req_id, Lookup(0, ()))
+        if found is None:
+            keep_pending(self._lookups, req_id, _PendingLookup(wanted, future))
+        return found
 
     def note_answer(self, req_id: str, num_computed: int, asynchronous: bool) -> None:
         """Take a hit found elsewhere (the hybrid scheduler's lookup over every group)
@@ -469,22 +459,5 @@ def _result(future: Future[Lookup]) -> Lookup:
     try:
         return future.result()
     except Exception as exc:
-        _lookup_failed(exc, "a background lookup")
+        lookup_failed(exc, "a background lookup")
         return Lookup(0, ())
-
-
-_REFUSALS_SEEN: set[str] = set()
-
-
-def _lookup_failed(exc: Exception, what: str) -> None:
-    """Log a failed lookup (a miss). A refusal (the sidecar token does not cover the
-    request's ``cache_salt``) is one line, once per distinct refusal: it repeats for
-    every request of that salt. Anything else is unexpected: a warning with its
-    traceback."""
-    if isinstance(exc, PermissionDeniedError):
-        text = str(exc)
-        if text not in _REFUSALS_SEEN and len(_REFUSALS_SEEN) < 256:
-            _REFUSALS_SEEN.add(text)
-            logger.warning("lmtier: %s refused (a miss for every such request): %s", what, text)
-        return
-    logger.warning("lmtier: %s failed", what, exc_info=exc)

@@ -334,12 +334,12 @@ def test_a_refused_salt_is_one_line_once_and_a_miss(caplog: pytest.LogCaptureFix
     of that salt: a miss each time, logged once in one line (it was a warning with a
     traceback per request)."""
     from lmtier.errors import PermissionDeniedError
-    from lmtier_connector.vllm import scheduler
+    from lmtier_connector.vllm import lookups
 
     refusal = PermissionDeniedError("tenant-a may not use model 'm' under cache_salt 'b'")
-    with caplog.at_level("DEBUG", logger=scheduler.__name__):
+    with caplog.at_level("DEBUG", logger=lookups.__name__):
         for request in ("r1", "r2", "r3"):
-            scheduler._lookup_failed(refusal, f"lookup for {request}")
-    records = [r for r in caplog.records if r.name == scheduler.__name__]
+            lookups.lookup_failed(refusal, f"lookup for {request}")
+    records = [r for r in caplog.records if r.name == lookups.__name__]
     assert len(records) == 1 and records[0].exc_info is None
     assert "tenant-a may not use" in records[0].getMessage()
