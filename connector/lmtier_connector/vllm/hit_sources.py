@@ -15,22 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-__all__ = ["TIER_SOURCES", "FoundHit", "Span", "source_of"]
+from lmtier import TierSpan
 
-
-class Span(Protocol):
-    """Chunks ``[start, stop)`` of a lookup served by ``tier`` (a ``Lookup``'s spans)."""
-
-    @property
-    def tier(self) -> str: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def stop(self) -> int: ...
+__all__ = ["TIER_SOURCES", "FoundHit", "source_of"]
 
 
 TIER_SOURCES: Mapping[str, CacheHitSource] = {
@@ -57,7 +47,7 @@ class FoundHit:
 
     start: int
     first_chunk: int
-    spans: Sequence[Span]
+    spans: Sequence[TierSpan]
 
     def sources(
         self, num_tokens: int, chunk_size: int, *, on_this_host: bool = True

@@ -14,7 +14,7 @@ with warnings.catch_warnings():  # vLLM's imports of torch's deprecated parts
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    from lmtier.storage.lookup import TierSpan
+    from lmtier import TierSpan
     from lmtier_connector.vllm.hit_sources import FoundHit, source_of
 
 pytestmark = pytest.mark.vllm
