@@ -76,10 +76,14 @@ def test_a_restarted_engine_loads_from_disk_as_its_own_prefix_cache_hit(
         by_source = "vllm:prompt_tokens_cached_by_source_total"
         assert engine.metric(by_source, source="disk") == external
         assert engine.metric(by_source, source="external_unspecified") == 0
-        other = "async" if path == "sync" else "sync"
-        assert engine.metric("lmtier:loaded_chunks_total", mode=path) == external // CHUNK
-        assert engine.metric("lmtier:loaded_chunks_total", mode=other) == 0
-        assert engine.metric("lmtier:loaded_chunks_total", tier="disk") == external // CHUNK
+        loaded = engine.metric("lmtier:loaded_chunks_total", tier="disk")
+        assert loaded == external // CHUNK
+        if mode == "auto":
+            # The first hit's read is judged by the default disk rate: in the step. Later
+            # ones by the rate measured since, which a busy machine lowers: either path.
+            assert engine.metric("lmtier:loaded_chunks_total", mode=path) >= 3
+        else:
+            assert engine.metric("lmtier:loaded_chunks_total", mode=path) == loaded
 
 
 def test_concurrent_hits_and_misses_in_a_kv_cache_too_small_for_them(
