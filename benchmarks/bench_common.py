@@ -1,10 +1,68 @@
-"""What the benchmark scripts share: timing. (Each script still measures its own baseline.)"""
+"""What the benchmark scripts share: timing, and contention for the CPUs.
+
+Each script still measures its own physical baseline. Under ``--contend N`` it runs
+every path, the baseline's included, beside ``N`` processes that each spin on a core
+(an inference engine keeps the machine this busy: tokenizers, the scheduler, the
+forward pass), so a ratio under contention compares lmtier with the raw I/O it
+wraps under the same load, in the same run.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+__all__ = ["add_contend_argument", "contend", "contention_of", "median_s", "paired_median_s"]
+
+_SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+
+
+def add_contend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--contend N`` (N spinning processes during the whole run) and its old spelling
+    ``--burner`` (one)."""
+    parser.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spin on the CPUs for the whole run, one per core in turn",
+    )
+    parser.add_argument("--burner", action="store_true", help="the same as --contend 1")
+
+
+def contention_of(args: argparse.Namespace) -> int:
+    """How many spinners ``args`` asks for (``--contend N``, or 1 for ``--burner``)."""
+    count = int(getattr(args, "contend", 0) or 0)
+    if count < 0:
+        raise SystemExit(f"--contend must be >= 0, got {count}")
+    return max(count, 1 if getattr(args, "burner", False) else 0)
+
+
+@contextlib.contextmanager
+def contend(count: int) -> Iterator[None]:
+    """``count`` processes spinning while the block runs, each pinned to one of the
+    CPUs this process may use, in turn (the last CPU first: the one the old single
+    burner took). Nothing when ``count`` is 0. Stopped by their pids on the way out."""
+    cpus = sorted(os.sched_getaffinity(0), reverse=True)
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", _SPIN, str(cpus[i % len(cpus)])])
+        for i in range(max(0, count))
+    ]
+    try:
+        if spinners:
+            time.sleep(0.2)  # the spinners are running before the first measurement
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:

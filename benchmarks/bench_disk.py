@@ -21,7 +21,7 @@ Reads are cold: every file is synced and dropped from the page cache first. Pair
 ratios are medians over repeats of ratios within one repeat (the machine is shared).
 Target: the tier's and the facade's best write and read at >= 0.9x the best raw.
 
-Usage: python benchmarks/bench_disk.py [--quick] [--dir DIR]   (last line: one JSON object)
+Usage: python benchmarks/bench_disk.py [--quick] [--dir DIR] [--contend N]  (last line: JSON)
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import aiofiles
 import disk_raw
 import numpy as np
 import torch
+from bench_common import add_contend_argument, contend, contention_of
 from disk_raw import (
     DROP_CACHES,
     READ_MODES,
@@ -333,6 +334,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer chunks and files (< 60 s)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to put the files")
     parser.add_argument("--facade-child", nargs=2, help=argparse.SUPPRESS)  # DIR CHUNKS
+    add_contend_argument(parser)
     args = parser.parse_args()
     if args.facade_child:
         facade_child(args.facade_child[0], int(args.facade_child[1]))
@@ -341,10 +343,12 @@ def main() -> None:
     startup_files = 20_000 if args.quick else 100_000
     workdir = tempfile.mkdtemp(prefix="lmtier-bench-disk-", dir=args.dir)
     try:
-        results = run_all(workdir, num_chunks, repeats, startup_files)
+        with contend(contention_of(args)):
+            results = run_all(workdir, num_chunks, repeats, startup_files)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     results["quick"] = args.quick
+    results["contend"] = contention_of(args)
     for name, value in results.items():
         print(f"{name:>44}: {value}")
     print(json.dumps(results))

@@ -23,8 +23,8 @@ Starts its own redis-server (no persistence) on a free loopback port, then measu
 Tier and baseline runs alternate, and medians are reported. Targets: tier put and get
 >= 0.9x raw; lookup <= 1.2x one pipelined batch; facade store/load >= 0.9x raw.
 
-Usage: python benchmarks/bench_redis.py [--quick] [--concurrency N] [--burner]
-(``--burner``: a process spins on one core for the whole run.)  Last line: JSON.
+Usage: python benchmarks/bench_redis.py [--quick] [--concurrency N] [--contend N]
+(``--contend N``: N processes spin on the cores throughout; ``--burner``: one.) Last line: JSON.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 import redis
 import redis.asyncio as aredis
-from remote_facade import CHUNK_BYTES, RawClient, cpu_burner, defaults_row, facade_rows
+from bench_common import add_contend_argument, contend, contention_of
+from remote_facade import CHUNK_BYTES, RawClient, defaults_row, facade_rows
 
 from lmtier import LMTierConfig
 from lmtier.chunks.encoding import encode
@@ -354,15 +355,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer chunks and repetitions")
     parser.add_argument("--concurrency", type=int, default=4, help="GETs/SETs in flight")
-    parser.add_argument("--burner", action="store_true", help="keep one core busy throughout")
+    add_contend_argument(parser)
     args = parser.parse_args()
     total_bytes = (64 if args.quick else 256) * MIB
     reps = 5 if args.quick else 9
-    with tempfile.TemporaryDirectory() as directory, cpu_burner(args.burner):
+    with tempfile.TemporaryDirectory() as directory, contend(contention_of(args)):
         process, port = start_server(directory)
         try:
             results: dict[str, Any] = {"bench": "redis", "quick": args.quick}
-            results["concurrency"], results["burner"] = args.concurrency, args.burner
+            results["concurrency"], results["contend"] = args.concurrency, contention_of(args)
             for label, hidden in SIZES.items():
                 count = max(4, total_bytes // (2 * 256 * hidden * 4))
                 results[label] = asyncio.run(

@@ -26,8 +26,8 @@ Measures, in one run, against a moto server it starts itself (or ``--endpoint``)
   (e) ``defaults``: 512 chunks looked up and loaded by new caches at the default
       settings, N times: the chunks found and loaded each time (all, every time).
 
-Usage: python benchmarks/bench_s3.py [--quick] [--endpoint URL] [--burner]
-(``--burner``: a process spins on one core for the whole run.)  Last line: JSON.
+Usage: python benchmarks/bench_s3.py [--quick] [--endpoint URL] [--contend N]
+(``--contend N``: N processes spin on the cores throughout; ``--burner``: one.) Last line: JSON.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import boto3
+from bench_common import add_contend_argument, contend, contention_of
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from remote_facade import CHUNK_BYTES, RawClient, cpu_burner, defaults_row, facade_rows
+from remote_facade import CHUNK_BYTES, RawClient, defaults_row, facade_rows
 
 from lmtier import LMTierConfig
 from lmtier.config import S3TierConfig
@@ -388,7 +389,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
     parser.add_argument("--endpoint", help="an S3 endpoint (MinIO) instead of a moto server")
-    parser.add_argument("--burner", action="store_true", help="keep one core busy throughout")
+    add_contend_argument(parser)
     parser.add_argument("--serve-null", type=int, help=argparse.SUPPRESS)  # for (c)
     args = parser.parse_args()
     if args.serve_null:
@@ -401,13 +402,13 @@ if __name__ == "__main__":
         os.environ.setdefault(name, value)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(cpu_burner(args.burner))
+        stack.enter_context(contend(contention_of(args)))
         url = args.endpoint or stack.enter_context(moto_server())
         results = asyncio.run(main(url, args.quick))
         # The facade runs its own event loop thread: called from plain code.
         results["facade"] = facade(url, 48 if args.quick else 128, 3 if args.quick else 5)
     results["endpoint"] = "given" if args.endpoint else "moto server"
-    results["burner"] = args.burner
+    results["contend"] = contention_of(args)
     results["seconds"] = round(time.perf_counter() - started, 1)
     summary(results)
     print(json.dumps(results))

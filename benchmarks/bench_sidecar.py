@@ -54,8 +54,8 @@ torch runs ``--torch-threads`` threads here (default 1, for the client's copies 
 memcpy baseline alike: with 2 on these 2 shared cores, every per-chunk copy waits on a
 descheduled worker thread; benchmarks/README.md).
 
-Usage: python benchmarks/bench_sidecar.py [--quick] [--burner] [--lmcache DIR]
-(``--burner``: a process spins on one core for the whole run.)  Last line: JSON.
+Usage: python benchmarks/bench_sidecar.py [--quick] [--contend N] [--lmcache DIR]
+(``--contend N``: N processes spin on the cores throughout; ``--burner``: one.) Last line: JSON.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from bench_common import add_contend_argument, contend, contention_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from remote_facade import cpu_burner
 
 import lmtier
 from lmtier import KVSpec, LMTier, LMTierConfig
@@ -733,7 +733,7 @@ def bench_peer(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, 3 s levels")
-    parser.add_argument("--burner", action="store_true", help="spin one core meanwhile")
+    add_contend_argument(parser)
     parser.add_argument(
         "--lmcache",
         default=os.environ.get(LMCACHE_ENV),
@@ -760,7 +760,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "benchmark": "sidecar",
         "quick": args.quick,
-        "burner": args.burner,
+        "contend": contention_of(args),
         "torch_threads": args.torch_threads,
     }
     directory = Path(tempfile.mkdtemp(prefix="lmtier-bench-sidecar-"))
@@ -773,7 +773,7 @@ def main() -> None:
         disk=DiskTierConfig(enabled=False),
     )
     with (
-        cpu_burner(args.burner),
+        contend(contention_of(args)),
         SidecarProcess(directory, SIDECAR_SETTINGS) as sidecar,
         lmtier.connect(sidecar.target, client_config(), kv=SPEC, model_id="bench") as client,
         LMTier.open(embedded_config, kv=SPEC, model_id="bench") as embedded,

@@ -17,7 +17,7 @@ Measures:
     against LMCache's own list keying re-done here (a tuple and Python's ``hash`` per
     256-token chunk, its default "builtin" algorithm; no storage lookup included).
 
-Usage: python benchmarks/bench_storage.py [--quick]   (last line: one JSON object)
+Usage: python benchmarks/bench_storage.py [--quick] [--contend N]   (last line: one JSON object)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import tracemalloc
 
 import numpy as np
 import torch
-from bench_common import median_s, paired_median_s
+from bench_common import add_contend_argument, contend, contention_of, median_s, paired_median_s
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.chunks.hashers import chunk_keys
@@ -242,12 +242,14 @@ def bench_facade(num_chunks: int, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer chunks and repeats (< 60 s)")
+    add_contend_argument(parser)
     args = parser.parse_args()
     num_chunks, repeats = (32, 7) if args.quick else (96, 15)
-    results: dict[str, object] = {"benchmark": "storage"}
-    results.update(bench_cpu_tier(num_chunks, repeats))
-    results.update(bench_lookup(repeats * 20))
-    results.update(bench_facade(num_chunks, repeats * 3))
+    results: dict[str, object] = {"benchmark": "storage", "contend": contention_of(args)}
+    with contend(contention_of(args)):
+        results.update(bench_cpu_tier(num_chunks, repeats))
+        results.update(bench_lookup(repeats * 20))
+        results.update(bench_facade(num_chunks, repeats * 3))
     results["target_met"] = (
         float(results["cpu_put_vs_memcpy"]) >= 0.9  # type: ignore[arg-type]
         and float(results["cpu_get_into_vs_memcpy"]) >= 0.9  # type: ignore[arg-type]

@@ -25,8 +25,8 @@ the others are paced the way an engine's compute paces a real cache, at a fracti
 could take (raw file writes/s over the LRU's writes per request) and the unpaced
 replay's rate (the replay's own work, hashing, loads and stores, shares the two cores
 with the disk tier's threads). Target, at the first load: token hit ratio >= 0.98x
-the LRU figure, 0 disk queue drops, with ``--burner`` (another process spinning on
-one core, as an inference engine beside the cache does).
+the LRU figure, 0 disk queue drops, with ``--contend 2`` (two processes spinning on
+the two cores, as an inference engine beside the cache does).
 
 Workloads: a seeded synthetic one (default), or ``--trace FILE``: ShareGPT-style JSON
 (a list of {"conversations": [{"from": "human"|"gpt"|"system", "value": text}, ...]}),
@@ -37,7 +37,7 @@ cut every 4 characters, each piece's CRC32 modulo a 32k vocabulary).
 unpaced through the CPU tier alone (disk off) at each capacity, a fraction of the working
 set, against an LRU of as many chunks and the ideal; the JSON gets a ``capacities`` list.
 
-Usage: python benchmarks/bench_trace.py [--quick] [--burner] [--trace FILE] [--load 0.25,0.5]
+Usage: python benchmarks/bench_trace.py [--quick] [--contend N] [--trace FILE] [--load 0.25,0.5]
        [--requests N] [--fsync true] [--capacities 0.01,0.05]   (last line: one JSON object)
 """
 
@@ -50,13 +50,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +63,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import torch
 import xxhash
+from bench_common import add_contend_argument, contend, contention_of
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
@@ -256,21 +255,6 @@ def raw_write_rate(workdir: str, file_bytes: int, capacity: int, seconds: float)
     return rate
 
 
-@contextlib.contextmanager
-def burner(enabled: bool) -> Iterator[None]:
-    """Another process spinning on one core for the duration (an engine beside us)."""
-    if not enabled:
-        yield
-        return
-    spin = "import os\nos.sched_setaffinity(0, {max(os.sched_getaffinity(0))})\nwhile True: pass"
-    process = subprocess.Popen([sys.executable, "-c", spin])
-    try:
-        yield
-    finally:
-        process.terminate()
-        process.wait()
-
-
 def cache_config(
     workdir: str, disk_chunks: int, cpu_chunks: int, fsync: str | None
 ) -> LMTierConfig:
@@ -360,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="3000 requests (~1 minute)")
     parser.add_argument("--requests", type=int, help="requests to replay (default 12000)")
     parser.add_argument("--trace", type=Path, help="a ShareGPT-style JSON file to replay")
-    parser.add_argument("--burner", action="store_true", help="spin one core meanwhile")
+    add_contend_argument(parser)
     parser.add_argument(
         "--load",
         default="0.25,0.5",
@@ -389,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workdir = tempfile.mkdtemp(prefix="lmtier-bench-trace-", dir=args.dir)
     loads = [float(x) for x in args.load.split(",")]
     try:
-        with burner(args.burner):
+        with contend(contention_of(args)):
             raw_rate = raw_write_rate(workdir, file_bytes, disk_chunks, 1.5 if args.quick else 3)
             per_request = lru.writes / len(workload.requests)
             runs: dict[str, dict[str, Any]] = {}
@@ -413,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "chunk_file_bytes": file_bytes,
         "disk_capacity_chunks": disk_chunks,
         "cpu_capacity_chunks": cpu_chunks,
-        "burner": args.burner,
+        "contend": contention_of(args),
         "fsync": args.fsync or "default",
         "raw_file_writes_per_s": round(raw_rate, 1),
         "lru_writes_per_request": round(per_request, 2),
@@ -435,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name:>26}: {value}")
     if args.capacities:
         fractions = [float(x) for x in args.capacities.split(",")]
-        with burner(args.burner):
+        with contend(contention_of(args)):
             results["capacities"] = capacity_sweep(workload, ideal.chunks, fractions)
         print(
             f"{'CPU tier capacity':>26}  hit ratio     LRU  vs LRU  (ideal {ideal.hit_ratio:.4f})"

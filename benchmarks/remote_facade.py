@@ -25,19 +25,16 @@ runs alternate; medians are reported; a ratio is the cache's throughput over raw
 ``defaults``: the prompt is stored (generous settings), then ``reps`` times a new
 cache at the defaults (CPU tier on, empty) looks up the 512 chunks and loads them
 (``load`` reads the remote tier itself, whatever the lookup found); the row lists
-the chunks found and loaded each time. ``--burner`` keeps one CPU core
-busy (a spinning process) for the whole benchmark, as an inference engine beside the
+the chunks found and loaded each time. ``--contend N`` (the scripts) keeps N cores
+busy (spinning processes) for the whole benchmark, as an inference engine beside the
 cache does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,20 +47,6 @@ SPEC = KVSpec(num_layers=4, num_kv_heads=4, head_dim=64)
 CHUNK_TOKENS = 256
 CHUNK_BYTES = SPEC.encoded_chunk_bytes(CHUNK_TOKENS)
 DEFAULTS_CHUNKS = 512
-
-
-@contextlib.contextmanager
-def cpu_burner(enabled: bool) -> Iterator[None]:
-    """One process spinning on a core while the block runs (nothing when not enabled)."""
-    if not enabled:
-        yield
-        return
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        burner.kill()
-        burner.wait()
 
 
 @dataclass(frozen=True, slots=True)
