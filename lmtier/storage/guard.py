@@ -11,6 +11,13 @@ tier must cost a request a miss, never an error or an unbounded wait, so:
   on as soon as the tier's I/O has not moved for ``timeout_s``: a hung server costs a
   large call ``timeout_s``, not its whole deadline. An exception or a timeout is a
   miss, counted in ``stats.errors`` and fed to the breaker;
+* both clocks run only while this process can watch: the guard looks a few times per
+  ``timeout_s``, and the time a look came late by (the event loop starved of CPU by
+  other processes, or busy with other work) is not counted. With every core of the
+  machine busy, a batch's replies waited in the socket while the loop could not run,
+  and a stall check that woke up late then gave up on a live server (Redis loads at
+  the default 0.5 s lost two thirds of a 512-chunk prompt). A hung server still costs
+  a call ``timeout_s`` of watched time, plus one look;
 * a call that times out, or whose caller is cancelled, is *abandoned*: cancelled and
   tracked, never awaited. It may still be moving bytes in and out of the slabs it was
   given, so ``on_settled`` (which gives those slabs back) runs only when its task has
@@ -36,11 +43,16 @@ from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.budget import CallBudget, Progress
 from lmtier.storage.tier import Tier
 
-__all__ = ["TierGuard"]
+__all__ = ["LOOKS_PER_TIMEOUT", "TierGuard"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+LOOKS_PER_TIMEOUT = 4
+"""How often per ``timeout_s`` the guard looks at a call in flight: a hang is caught
+between ``timeout_s`` and ``timeout_s * (1 + 1 / LOOKS_PER_TIMEOUT)`` after the last
+byte moved, counted in time the process could watch."""
 
 
 class TierGuard:
@@ -122,24 +134,36 @@ class TierGuard:
 
     async def _wait(self, task: asyncio.Future[Any], limit_s: float) -> str | None:
         """Wait for ``task`` up to ``limit_s``, or until the tier's I/O has stalled for
-        ``timeout_s``: None once it is done, else why it was given up on."""
+        ``timeout_s``: None once it is done, else why it was given up on.
+
+        Both clocks count only the time this process could watch (module docstring):
+        the guard looks every ``timeout_s / LOOKS_PER_TIMEOUT``, and a look that comes
+        late (the loop was starved of CPU, or busy with other work) adds only the time
+        it planned to wait, so a starved process never blames the tier for bytes it
+        could not read."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit_s
         stall_s, meter = self.budget.timeout_s, self.progress
-        if meter is None or limit_s <= stall_s:
-            done, _ = await asyncio.wait({task}, timeout=limit_s)
-            return None if done else f"no answer in {limit_s:.3g} s"
-        seen = meter.count
+        step = stall_s / LOOKS_PER_TIMEOUT
+        waited = stalled = 0.0
+        seen = meter.count if meter is not None else 0
         while True:
-            left = deadline - loop.time()
-            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(stall_s, left)))
+            planned = max(0.0, min(step, limit_s - waited))
+            started = loop.time()
+            done, _ = await asyncio.wait({task}, timeout=planned)
             if done:
                 return None
-            if loop.time() >= deadline:
+            counted = min(loop.time() - started, planned)
+            waited += counted
+            if waited >= limit_s:
                 return f"not done within its deadline of {limit_s:.3g} s"
-            if meter.count == seen:
+            if meter is None:
+                continue
+            if meter.count != seen:
+                seen, stalled = meter.count, 0.0
+                continue
+            stalled += counted
+            if stalled >= stall_s:
                 return f"no I/O moved for {stall_s:.3g} s (deadline {limit_s:.3g} s)"
-            seen = meter.count
 
     def _failed(self, what: str, error: BaseException) -> None:
         self.breaker.record_failure()

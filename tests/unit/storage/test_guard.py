@@ -11,6 +11,8 @@ on never finishes at all.
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 from collections.abc import Awaitable, Sequence
 
 import pytest
@@ -121,6 +123,36 @@ def test_a_hung_call_is_given_up_after_timeout_s_whatever_its_deadline() -> None
     stored, timed_out = run(guard.call("put", lambda: tier.put([(key, data)]), num_bytes=HUGE))
     assert (stored, timed_out) == (None, True)  # long before its deadline of hours
     assert tier.stats.errors == 1 and guard.breaker.failures == 1
+
+
+class LateTier(MeteredTier):
+    """A live server whose reply the process cannot read in time: while a call waits,
+    something else holds the event loop (a starved process, a long stretch of other
+    work) for many times ``timeout_s``; the reply, due during that stretch, is read
+    after it, in the order timers fall due: after the guard's look at the call."""
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[None] = loop.create_future()
+        loop.call_soon(time.sleep, STALL_S * 8)  # the loop cannot run meanwhile
+        loop.call_later(STALL_S * 2, reply.set_result, None)
+        await reply
+        self.io_progress.tick()
+
+
+def test_time_the_loop_could_not_run_does_not_count_against_a_call() -> None:
+    # Before: the guard's stall check woke up late, saw no tick since it began waiting
+    # and gave up on a server that had answered; and the deadline alone (no meter)
+    # also lapsed while nothing could be read.
+    key, data = make_chunk()
+    for metered in (True, False):
+        tier = LateTier(CallBudget(STALL_S, min_bytes_per_s=1.0))
+        guard = guarded(tier)
+        if not metered:
+            guard.progress = None  # the deadline alone: timeout_s, given no bytes
+        put = functools.partial(tier.put, [(key, data)])
+        assert run(guard.call("put", put)) == (1, False), metered
+        assert tier.stats.errors == 0
 
 
 def test_without_a_meter_the_deadline_alone_bounds_a_call() -> None:
