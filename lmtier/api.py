@@ -298,11 +298,14 @@ class LMTier:
 
     # ---- stores --------------------------------------------------------------------
 
-    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+    def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
         """Up to ``count`` free host slabs to encode chunks into (evicting idle cached
-        chunks); fewer, counted as drops, when readers and pending writes hold the rest."""
+        chunks); fewer, counted as drops, when readers and pending writes hold the rest.
+        ``wait``: when pending writes hold them, wait for some while writes keep landing
+        (``write_wait_s``) rather than drop at once; False for a caller that must never
+        wait (an engine's forward pass)."""
         require_int("count", count)
-        return self._require().acquire_slabs(count) if count > 0 else []
+        return self._require().acquire_slabs(count, wait=wait) if count > 0 else []
 
     def seal_slab(self, handle: SlabHandle, meta: ChunkMeta) -> int:
         """Frame a payload already copied into ``handle``'s slab at its place

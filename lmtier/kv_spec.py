@@ -31,6 +31,7 @@ from lmtier.chunks.format import (
     DecodedChunk,
 )
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey, split_key
+from lmtier.copies import copy_into
 from lmtier.errors import InvalidKVError, brief
 from lmtier.storage.host_pool import SlabHandle
 
@@ -392,7 +393,7 @@ def encode_kv_into(
 def _copy_kv(target: torch.Tensor, meta: ChunkMeta, kv: KVSource) -> None:
     """Copy one chunk's KV, a tensor or per-layer (K, V) pairs, into its payload view."""
     if isinstance(kv, torch.Tensor):
-        target.copy_(kv)
+        copy_into(target, kv)
         return
     if meta.layout not in ("LKTHD", "KLTHD"):
         raise ValueError(f"per-layer (K, V) input needs a K/V layout, not {meta.layout}")
@@ -401,11 +402,11 @@ def _copy_kv(target: torch.Tensor, meta: ChunkMeta, kv: KVSource) -> None:
         raise ValueError(f"got KV for {len(kv)} layers, the chunk has {layers}")
     for layer, (key, value) in enumerate(kv):
         if meta.layout == "LKTHD":
-            target[layer, 0].copy_(key)
-            target[layer, 1].copy_(value)
+            copy_into(target[layer, 0], key)
+            copy_into(target[layer, 1], value)
         else:
-            target[0, layer].copy_(key)
-            target[1, layer].copy_(value)
+            copy_into(target[0, layer], key)
+            copy_into(target[1, layer], value)
 
 
 def chunk_tensor(chunk: DecodedChunk) -> torch.Tensor:

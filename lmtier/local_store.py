@@ -45,7 +45,7 @@ __all__ = ["HostView", "LocalStore"]
 logger = logging.getLogger(__name__)
 CheckT = TypeVar("CheckT", bound=ChunkCheck)
 
-STORE_BATCH = 64
+STORE_BATCH = 8
 """Chunks a store frames per hand-over (each hand-over is one pass under the
 manager's lock; a lookup of the local tiers comes first)."""
 
@@ -108,7 +108,9 @@ class LocalStore:
         )
         try:
             tiers = await open_tiers(config)
-            manager = StorageManager(cpu_tier, tiers, check=chunk_check)
+            manager = StorageManager(
+                cpu_tier, tiers, check=chunk_check, write_wait_s=config.write_wait_s
+            )
             await manager.start()
         except BaseException:
             cpu_tier.pool.close()
@@ -227,12 +229,15 @@ class LocalStore:
         present = skip if skip is not None else self._run()[0].lookup_local(keys).num_chunks
         return present, Reserved()
 
-    def acquire_slabs(self, count: int) -> list[SlabHandle]:
-        return self._run()[0].acquire_slabs(count, True) if count > 0 else []
+    def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
+        """Free slabs; with ``wait``, a pool held by pending writes is waited for while
+        writes keep landing (``write_wait_s``: :mod:`lmtier.storage.room`)."""
+        return self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
-        """The CPU tier adopts the slabs now, lower tiers in the background."""
-        stored = self._run()[0].put_many(encoded) if encoded else 0
+        """The CPU tier adopts the slabs now, lower tiers in the background; a full write
+        queue is waited for while writes keep landing (``write_wait_s``)."""
+        stored = self._run()[0].put_many(encoded, wait=True) if encoded else 0
         return lambda: stored
 
     def host_memory(self) -> HostMemory:

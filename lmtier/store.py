@@ -137,13 +137,15 @@ class ChunkStore(Protocol):
         """For a store of ``keys``: how many leading ones are cached already (``skip``
         when the caller knows), and slabs reserved for up to ``count`` of the rest."""
 
-    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+    def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
         """Up to ``count`` free slabs to encode chunks into (fewer, counted as drops,
-        when the pool is held)."""
+        when the pool is held; with ``wait``, after waiting for pending writes to free
+        some while they keep landing, up to ``write_wait_s`` without one)."""
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """Give filled slabs to the store (it owns their leases from now on); returns
-        a function that says how many were stored (it may wait for an answer)."""
+        a function that says how many were stored (it may wait for an answer). A full
+        write queue is waited for while writes keep landing (``write_wait_s``)."""
 
     def host_memory(self) -> HostMemory:
         """What this process holds in host memory for the store."""

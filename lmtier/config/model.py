@@ -239,9 +239,9 @@ class _ByteTierSection(_Section):
     """``write_through``: every new chunk is written here in the background;
     ``write_back``: only chunks the CPU tier evicts are."""
     queue_depth: Count = DEFAULT_QUEUE_DEPTH
-    """Chunks that may wait for a background write here before new ones are dropped
-    (and counted) rather than delaying inference; at most half the host pool's slabs
-    are used, whatever this says (queued writes hold their slabs)."""
+    """Chunks that may wait for a background write here; at most half the host pool's
+    slabs are used, whatever this says (queued writes hold their slabs). A store that
+    finds it full waits for room (``write_wait_s``); a promotion drops and counts."""
 
 
 class CPUTierConfig(_Section):
@@ -449,6 +449,13 @@ class LMTierConfig(_Section):
     the background writes still queued to reach the tiers below host memory (at most
     3600; 0: none). What is queued then is dropped, counted in ``queue_drops``, with
     one warning."""
+    write_wait_s: Wait = 5.0
+    """Back-pressure on stores: when a write-through tier's queue is full (or every
+    free slab is held by writes still pending), ``store()`` waits for room as long as
+    writes keep landing, and gives up once this many seconds pass with none landing;
+    the chunks it could not queue then are dropped and counted in the tier's
+    ``queue_drops``. A tier that is down (its breaker open) is never waited for. 0:
+    never wait (drop at once). Promotions never wait."""
 
     @field_validator("hash_algorithm", mode="before")
     @classmethod

@@ -282,7 +282,8 @@ class SidecarStore:
 
     # ---- stores --------------------------------------------------------------------
 
-    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+    def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
+        """Slabs of the sidecar's pool (the sidecar applies its own back-pressure)."""
         connection = self._conn()
         try:
             return self._acquire(connection, self._any_session(), count)

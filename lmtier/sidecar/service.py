@@ -322,7 +322,7 @@ class SidecarService(pb_grpc.SidecarServicer):
             return pb.AcquireSlabsReply(present=present)
         shares = sessions.shares
         counted = shares.take_some(principal, count)
-        handles = self.parts.manager.acquire_slabs(counted, True)
+        handles = await self.parts.manager.acquire_slabs_async(counted)
         shares.give(principal, counted - len(handles))
         if not handles:
             raise CapacityError("no free slab: every slab is held by readers and pending writes")
@@ -354,7 +354,15 @@ class SidecarService(pb_grpc.SidecarServicer):
             for _, handle, _ in taken:
                 handle.release()
             raise
-        stored = self.parts.manager.put_many(taken)
+        stored, manager = 0, self.parts.manager
+        for at, (key, handle, length) in enumerate(taken):
+            try:
+                await manager.room_for_store()  # back-pressure, never blocking the loop
+                stored += manager.put(key, handle, length)
+            except BaseException:
+                for _, rest, _ in taken[at + 1 :]:
+                    rest.release()
+                raise
         return pb.StoreReply(stored=stored, dropped=len(taken) - stored)
 
     def _check_chunk(

@@ -99,7 +99,12 @@ async def receive_chunks(
             except BaseException:
                 handle.release()
                 raise
-            done = manager.put_many([(key, handle, length)])
+            try:
+                await manager.room_for_store()  # back-pressure, never blocking the loop
+            except BaseException:
+                handle.release()
+                raise
+            done = manager.put(key, handle, length)
             stored += done
             dropped += 1 - done
         if current is not None:

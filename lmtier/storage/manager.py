@@ -14,8 +14,10 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
   does not make one: it reads each tier for what the tiers above did not serve.
 * **put** lands in the CPU tier synchronously and goes to each ``write_through``
   tier through a bounded queue (:mod:`lmtier.storage.writes`); ``write_back`` tiers
-  get chunks the CPU tier evicts. A full queue drops the write and counts it:
-  inference never waits on storage.
+  get chunks the CPU tier evicts. A store that finds a queue full, or every slab held
+  by pending writes, waits for room while writes keep landing, up to
+  ``write_wait_s`` without one (:mod:`lmtier.storage.room`); then, or at once for a
+  tier that is down, the write is dropped and counted. Promotions never wait.
 * **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
   every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
   be in a lower tier), and of every chunk a purge drops from it; an engine integration
@@ -72,6 +74,7 @@ from lmtier.storage.purging import (
     purge_tier,
 )
 from lmtier.storage.reads import Reads
+from lmtier.storage.room import take_slabs, take_slabs_async
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 from lmtier.storage.writes import CLOSE_FLUSH_S, BackgroundWrites
@@ -90,6 +93,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 """Timeout of a tier call when the tier declares none: even a local disk can hang."""
+WRITE_WAIT_S = 5.0
+"""Default of ``write_wait_s``: how long a store waits for room in a full write queue
+(or for a slab pending writes hold) while no write lands (``LMTierConfig.write_wait_s``)."""
 ABANDONED_WAIT_S = 2.0
 """How long :meth:`StorageManager.close` waits for abandoned calls to finish their I/O."""
 
@@ -104,6 +110,8 @@ class StorageManager:
 
     ``check`` says what a served chunk must be (default: the chunk asked for, any
     geometry, no MAC). ``purge_timeout_s`` is the deadline of one tier's purge.
+    ``write_wait_s``: how long a store waits for room with no write landing (0: never
+    waits; :mod:`lmtier.storage.room`).
     """
 
     def __init__(
@@ -115,6 +123,7 @@ class StorageManager:
         breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
         check: ChunkCheck | None = None,
         purge_timeout_s: float = PURGE_TIMEOUT_S,
+        write_wait_s: float = WRITE_WAIT_S,
     ) -> None:
         names = [cpu_tier.name, *(tier.name for tier in tiers)]
         if len(set(names)) != len(names):
@@ -124,6 +133,7 @@ class StorageManager:
         self.call_timeout_s = call_timeout_s or DEFAULT_CALL_TIMEOUT_S
         self.check = check or ChunkCheck()
         self.purge_timeout_s = purge_timeout_s
+        self.write_wait_s = write_wait_s
         self.guards = {
             t.name: TierGuard(t, self._timeout(t), breaker_factory()) for t in self.tiers
         }
@@ -142,6 +152,9 @@ class StorageManager:
         )
         self.breakers = {name: guard.breaker for name, guard in self.guards.items()}
         self._write_back = [t for t in self.tiers if t.properties.write_policy == "write_back"]
+        self._write_through = [
+            t for t in self.tiers if t.properties.write_policy == "write_through"
+        ]
         self._evict_listeners: list[EvictListener] = []
         cpu_tier.on_evict = self._on_evict
         self._closed = False
@@ -224,57 +237,84 @@ class StorageManager:
         (:meth:`lmtier.storage.reads.Reads.get`)."""
         return await self.reads.get(keys, lookup)
 
-    def acquire_slabs(self, count: int, count_drops: bool = False) -> list[SlabHandle]:
+    def acquire_slabs(
+        self, count: int, count_drops: bool = False, *, wait: bool = False
+    ) -> list[SlabHandle]:
         """Up to ``count`` free slabs, evicting idle cached chunks; fewer when readers
         and writes in flight hold the rest (with ``count_drops``, the shortfall is
         counted in the CPU tier's ``queue_drops``: chunks a store could not keep).
+        With ``wait`` (a store, off the loop), a shortfall first waits for writes to
+        give slabs back while they keep landing, up to ``write_wait_s`` without one.
         Any thread."""
-        handles: list[SlabHandle] = []
-        with self.lock:
-            for _ in range(count):
-                handle = self.cpu_tier.acquire_slab()
-                if handle is None:
-                    if count_drops:
-                        self.cpu_tier.stats.queue_drops += count - len(handles)
-                    break
-                handles.append(handle)
+        stall_s = self.write_wait_s if wait and self.writes.may_wait() else 0.0
+        handles = take_slabs(self.cpu_tier, self.writes.room, count, stall_s)
+        return self._counted(count, handles, count_drops)
+
+    async def acquire_slabs_async(self, count: int) -> list[SlabHandle]:
+        """:meth:`acquire_slabs` with ``wait`` and ``count_drops``, for a coroutine on
+        the loop (the sidecar's stores): it waits without blocking the loop."""
+        handles = await take_slabs_async(
+            self.cpu_tier, self.writes.room, count, self.write_wait_s, lambda: self._closed
+        )
+        return self._counted(count, handles, True)
+
+    def _counted(self, count: int, handles: list[SlabHandle], drops: bool) -> list[SlabHandle]:
+        if drops and len(handles) < count:
+            with self.lock:
+                self.cpu_tier.stats.queue_drops += count - len(handles)
         return handles
+
+    async def room_for_store(self) -> bool:
+        """On the loop: wait, without blocking it, until every write-through tier's queue
+        has room for a store's chunk (:meth:`put` with ``wait``, for coroutines); False
+        when it gave up (``write_wait_s`` with no write landing)."""
+        return await self.writes.room_for(self._write_through, self.write_wait_s)
 
     # ---- put --------------------------------------------------------------------
 
-    def put(self, key: ChunkKey, handle: SlabHandle, size: int) -> bool:
+    def put(self, key: ChunkKey, handle: SlabHandle, size: int, *, wait: bool = False) -> bool:
         """Store a chunk encoded in ``handle``'s slab; takes ownership of that lease.
 
         The CPU tier adopts it now; write-through tiers get it in the background.
         Returns whether every write-through tier's queue took it: False when a full
         queue dropped it for some tier (counted there in ``queue_drops``), so that a
         caller never reports as stored a chunk that a tier will not receive, and when a
-        purge of its namespace is running (it is not stored at all). Any thread.
+        purge of its namespace is running (it is not stored at all). With ``wait`` (a
+        store, off the loop), a full queue is first waited for while writes keep
+        landing, up to ``write_wait_s`` without one (:mod:`lmtier.storage.room`).
+        Any thread.
         """
         with self.lock:
-            if self._closed:
-                handle.release()
-                raise CacheClosedError("put on a closed StorageManager")
-            if self.barriers.purging(key):
-                handle.release()
-                return False
-            if key in self.cpu_tier:  # stored before: its writes were queued then
-                return self.cpu_tier.adopt(key, handle, size)  # recency; the lease goes
+            while True:  # the lock is let go while waiting: look again after each wait
+                if self._closed:
+                    handle.release()
+                    raise CacheClosedError("put on a closed StorageManager")
+                if self.barriers.purging(key):
+                    handle.release()
+                    return False
+                if key in self.cpu_tier:  # stored before: its writes were queued then
+                    return self.cpu_tier.adopt(key, handle, size)  # recency; the lease goes
+                if not wait or not self.writes.blocking(self._write_through):
+                    break
+                # True: room appeared, look again; False: gave up (the full queues
+                # drop it, and count it).
+                wait = self.writes.wait_for_room(self._write_through, self.write_wait_s)
             queued = True
-            for tier in self.tiers:
-                if tier.properties.write_policy == "write_through":
-                    queued = self.writes.enqueue(tier, key, handle, size) and queued
+            for tier in self._write_through:
+                queued = self.writes.enqueue(tier, key, handle, size) and queued
             self.cpu_tier.adopt(key, handle, size)
             return queued
 
-    def put_many(self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]]) -> int:
+    def put_many(
+        self, encoded: Sequence[tuple[ChunkKey, SlabHandle, int]], *, wait: bool = False
+    ) -> int:
         """:meth:`put` each ``(key, lease, encoded length)``; how many every tier took.
         Any thread; a lease not put (the manager closed meanwhile) is released."""
         stored = 0
         with self.lock:
             for at, (key, handle, size) in enumerate(encoded):
                 try:
-                    stored += self.put(key, handle, size)
+                    stored += self.put(key, handle, size, wait=wait)
                 except CacheClosedError:
                     for _, rest, _ in encoded[at + 1 :]:
                         rest.release()

@@ -3,17 +3,25 @@
 A chunk stored (or promoted, or evicted toward a write-back tier) is queued for each
 tier that should receive it, holding a *write lease* on its slab
 (:meth:`~lmtier.storage.cpu_tier.CPUTier.share_for_write`: it keeps the slab alive, not
-the chunk cached). A full queue drops the write and counts it (``queue_drops``):
-inference never waits on storage. Each tier's writer hands it batches sized by a
-:class:`~lmtier.storage.pacing.BatchPacer` (so a slow tier still takes writes), through
-the tier's :class:`~lmtier.storage.guard.TierGuard`, whose deadline for a batch grows
-with its bytes (:mod:`lmtier.storage.budget`). Each chunk stored unsealed is sealed
+the chunk cached). A full queue drops the write and counts it (``queue_drops``),
+unless its caller waits for room (:mod:`lmtier.storage.room`: stores do, for as long
+as writes keep landing, up to ``write_wait_s`` without one). Each tier's writer
+hands it batches sized by a :class:`~lmtier.storage.pacing.BatchPacer` (so a slow
+tier still takes writes), through the tier's
+:class:`~lmtier.storage.guard.TierGuard`, whose deadline for a batch grows with its
+bytes (:mod:`lmtier.storage.budget`). Each chunk stored unsealed is sealed
 first (:mod:`lmtier.storage.sealing`: its checksum and MAC are computed here, off
 the storing thread), so no tier below host memory sees unsealed bytes. A write that
 fails, is skipped by the breaker or times out is dropped and counted; the chunk stays
 in the tiers above.
 Its write leases go back only when its I/O is over (an abandoned write may still be
 reading the slab).
+
+Fewer hops per chunk: writes queued from other threads reach the loop together (one
+wake-up for all that arrived since the last one, not one per chunk, so the writer
+sees a store's chunks as one batch), and a writer seals its next batch while up to
+:data:`PUTS_IN_FLIGHT` batches are being written, so neither the sealing thread nor
+the tier's threads wait for the other between batches.
 
 A purge of a namespace (:mod:`lmtier.storage.purging`) must not be undone by a write
 queued before it: writers drop writes its :class:`~lmtier.storage.barriers.PurgeBarriers`
@@ -33,14 +41,16 @@ from dataclasses import dataclass
 
 from lmtier.chunks.keys import NAMESPACE_BYTES, ChunkKey
 from lmtier.storage.barriers import PurgeBarriers
+from lmtier.storage.breaker import BreakerState
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.guard import TierGuard
 from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.pacing import MAX_CHUNKS, BatchPacer
+from lmtier.storage.room import Patience, RoomSignal
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.tier import Tier
 
-__all__ = ["CLOSE_FLUSH_S", "BackgroundWrites"]
+__all__ = ["CLOSE_FLUSH_S", "PUTS_IN_FLIGHT", "BackgroundWrites"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +58,9 @@ CLOSE_FLUSH_S = 30.0
 """How long :meth:`BackgroundWrites.close` waits for queued writes by default (the
 facade passes ``close_flush_s`` from its config); what is still queued then is
 dropped (and counted). Call ``flush()`` first to wait for all."""
+PUTS_IN_FLIGHT = 2
+"""Batches one tier's writer may have in its tier's hands at once (the next one is
+sealed meanwhile)."""
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -105,6 +118,12 @@ class BackgroundWrites:
         self._waiting: dict[str, int] = {}
         """Writes queued or on their way to the queue, per tier (under ``lock``)."""
         self._writers: list[asyncio.Task[None]] = []
+        self._sends: set[asyncio.Task[None]] = set()
+        """Batches being written, every tier's (loop only)."""
+        self._inbox: list[tuple[asyncio.Queue[_Write], _Write]] = []
+        """Writes queued off the loop, not delivered to their queue yet (under ``lock``)."""
+        self.room = RoomSignal(self.lock)
+        """Signalled whenever a queue place or a slab may have come free."""
         self._flights: dict[str, set[_Flight]] = {}
         """Batches being sent, per tier (loop only)."""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,11 +158,75 @@ class BackgroundWrites:
             self._waiting[tier.name] += 1
             lease = self.cpu_tier.share_for_write(handle)
             write = _Write(key, lease, size, self.barriers.epoch)
+            if _on_loop(loop) and not self._inbox:
+                queue.put_nowait(write)
+                return True
+            self._inbox.append((queue, write))
+            if len(self._inbox) > 1:
+                return True  # a delivery is on its way already: it takes this one too
         if _on_loop(loop):
-            queue.put_nowait(write)
+            self._deliver()
         else:
-            loop.call_soon_threadsafe(queue.put_nowait, write)
+            loop.call_soon_threadsafe(self._deliver)
         return True
+
+    def _deliver(self) -> None:
+        """On the loop: hand every write queued off the loop to its queue, in order."""
+        with self.lock:
+            inbox, self._inbox = self._inbox, []
+        for queue, write in inbox:
+            queue.put_nowait(write)
+
+    def has_room(self, tier: Tier) -> bool:
+        """Whether a write to ``tier`` would be queued now (no queue: True). Holding
+        ``lock``."""
+        depth = self._depths.get(tier.name)
+        return depth is None or self._closed or self._waiting[tier.name] < depth
+
+    def blocking(self, tiers: Sequence[Tier]) -> list[Tier]:
+        """The tiers of ``tiers`` whose queue is full and whose breaker is closed (a
+        tier that is down, or being probed, is never waited for). Holding ``lock``."""
+        closed = BreakerState.CLOSED
+        return [
+            t for t in tiers if not self.has_room(t) and self.guards[t.name].breaker.state is closed
+        ]
+
+    def may_wait(self) -> bool:
+        """Whether this thread may block for room: not the loop's (its writers make the
+        room), and the writes are running."""
+        loop = self._loop
+        return loop is not None and not self._closed and not _on_loop(loop)
+
+    def wait_for_room(self, tiers: Sequence[Tier], stall_s: float) -> bool:
+        """Block until no tier of ``tiers`` is :meth:`blocking` (True: look again, the
+        lock was let go), or give up (False) once ``stall_s`` passes with no write
+        landing anywhere, or at once where :meth:`may_wait` says no. Holding ``lock``
+        (released while waiting, however often this thread has taken it)."""
+        with self.lock:
+            if not self.blocking(tiers):
+                return True
+            if stall_s <= 0 or not self.may_wait():
+                return False
+            patience = Patience(self.room, stall_s)
+            while self.blocking(tiers):
+                left = patience.left()
+                if left <= 0 or self._closed:
+                    return False
+                self.room.wait(patience.seen, left)
+            return True
+
+    async def room_for(self, tiers: Sequence[Tier], stall_s: float) -> bool:
+        """:meth:`wait_for_room` for a coroutine on the loop (the sidecar's stores):
+        waits without blocking the loop."""
+        patience = Patience(self.room, stall_s)
+        while True:
+            with self.lock:
+                if not self.blocking(tiers):
+                    return True
+            left = patience.left()
+            if left <= 0:
+                return False
+            await self.room.wait_async(patience.seen, left)
 
     def depth(self, tier: Tier) -> int | None:
         """Writes waiting for ``tier`` (None: it has no queue)."""
@@ -153,6 +236,7 @@ class BackgroundWrites:
         self, guard: TierGuard, queue: asyncio.Queue[_Write], pacer: BatchPacer
     ) -> None:
         tier, chunk_bytes = guard.tier, self.cpu_tier.pool.slab_bytes
+        sends: set[asyncio.Task[None]] = set()
         while True:
             batch = [await queue.get()]
             limit = pacer.size(chunk_bytes, MAX_CHUNKS)
@@ -161,42 +245,61 @@ class BackgroundWrites:
             taken = len(batch)
             with self.lock:
                 self._waiting[tier.name] -= taken
+                self.room.changed()
             try:
                 batch = await self._sealed(tier, batch)
+                while len(sends) >= PUTS_IN_FLIGHT:
+                    await asyncio.wait(sends, return_when=asyncio.FIRST_COMPLETED)
             except BaseException:
+                tier.stats.queue_drops += len(batch)  # taken, never sent: closing
                 self._release(batch)
                 for _ in range(taken):
                     queue.task_done()
                 raise
-            batch = self._unpurged(batch)  # no await from here to the call's start
-            if len(batch) < taken:
-                for _ in range(taken - len(batch)):
-                    queue.task_done()
-                if not batch:
-                    continue
-            items = [(w.key, w.handle.view[: w.size]) for w in batch]
-            num_bytes = sum(w.size for w in batch)
+            batch = self._unpurged(batch)  # no await from here to the flight's start
+            for _ in range(taken - len(batch)):
+                queue.task_done()
+            if not batch:
+                continue
             flight = _Flight(batch)
             self._flights[tier.name].add(flight)
-            started = time.perf_counter()
-            try:
-                # Bound now, not looked up when called: an abandoned write settles
-                # after this loop has moved on to the next batch.
-                stored, timed_out = await guard.call(
-                    "put",
-                    functools.partial(tier.put, items),
-                    functools.partial(self._landed, tier.name, batch, flight),
-                    num_bytes=num_bytes,
-                )
-            finally:
-                for _ in batch:
-                    queue.task_done()
-            elapsed = time.perf_counter() - started
-            tier.stats.write_latency.record(elapsed)
-            if stored is not None:
-                pacer.succeeded(num_bytes, elapsed, len(batch))
-            elif timed_out:
-                pacer.timed_out(num_bytes, len(batch))
+            send = asyncio.create_task(self._send(guard, queue, pacer, batch, flight))
+            for tasks in (sends, self._sends):
+                tasks.add(send)
+                send.add_done_callback(tasks.discard)
+
+    async def _send(
+        self,
+        guard: TierGuard,
+        queue: asyncio.Queue[_Write],
+        pacer: BatchPacer,
+        batch: list[_Write],
+        flight: _Flight,
+    ) -> None:
+        """Write one sealed batch through the tier's guard; count, pace, and mark it
+        done in its queue (the slabs go back when its I/O is over: :meth:`_landed`)."""
+        tier = guard.tier
+        items = [(w.key, w.handle.view[: w.size]) for w in batch]
+        num_bytes = sum(w.size for w in batch)
+        started = time.perf_counter()
+        try:
+            # Bound now, not looked up when called: an abandoned write settles
+            # after this loop has moved on to the next batch.
+            stored, timed_out = await guard.call(
+                "put",
+                functools.partial(tier.put, items),
+                functools.partial(self._landed, tier.name, batch, flight),
+                num_bytes=num_bytes,
+            )
+        finally:
+            for _ in batch:
+                queue.task_done()
+        elapsed = time.perf_counter() - started
+        tier.stats.write_latency.record(elapsed)
+        if stored is not None:
+            pacer.succeeded(num_bytes, elapsed, len(batch))
+        elif timed_out:
+            pacer.timed_out(num_bytes, len(batch))
 
     async def _sealed(self, tier: Tier, batch: list[_Write]) -> list[_Write]:
         """``batch`` with every chunk sealed (:mod:`lmtier.storage.sealing`); a write whose
@@ -241,9 +344,11 @@ class BackgroundWrites:
         with self.lock:
             for write in batch:
                 self.cpu_tier.release_write(write.handle)
+            self.room.changed()
 
     async def flush(self) -> None:
         """Wait until every queued write has been attempted."""
+        self._deliver()
         await asyncio.gather(*(queue.join() for queue in self._queues.values()))
 
     async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
@@ -259,19 +364,23 @@ class BackgroundWrites:
         with self.lock:
             self._closed = True
         await asyncio.sleep(0)  # writes queued from other threads before now land first
-        for task in self._writers:
+        self._deliver()
+        tiers = [guard.tier for guard in self.guards.values()]
+        before = sum(tier.stats.queue_drops for tier in tiers)
+        tasks = [*self._writers, *self._sends]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._writers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._writers.clear()
         self.sealer.close()
-        dropped = 0
         with self.lock:
             for name, queue in self._queues.items():
                 while not queue.empty():
                     self.cpu_tier.release_write(queue.get_nowait().handle)
                     self.guards[name].tier.stats.queue_drops += 1
-                    dropped += 1
                 self._waiting[name] = 0
+            self.room.changed()
+        dropped = sum(tier.stats.queue_drops for tier in tiers) - before
         if gave_up:
             logger.warning(
                 "close: writes not done after %g s (close_flush_s): %d queued write(s) "

@@ -93,7 +93,7 @@ class RecordingStore:
         present = skip if skip is not None else self.lookup(keys, local_only=True).num_chunks
         return present, Reserved()
 
-    def acquire_slabs(self, count: int) -> list[SlabHandle]:
+    def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
         self._log("acquire_slabs", count)
         assert self.pool is not None
         handles = [self.pool.acquire() for _ in range(count)]

@@ -221,7 +221,8 @@ class WorkerHalf:
             wanted.extend((save, index, keys[index]) for index in range(present, len(keys)))
         if not wanted:
             return
-        handles = self.cache.acquire_slabs(len(wanted))  # fewer when the pool is busy
+        # Fewer when the pool is busy: the forward pass never waits for storage.
+        handles = self.cache.acquire_slabs(len(wanted), wait=False)
         if len(handles) < len(wanted):
             self.counters.add("save_dropped_chunks", len(wanted) - len(handles))
         if not handles:

@@ -183,7 +183,10 @@ def test_writes_queued_or_in_flight_do_not_bring_chunks_back() -> None:
         await asyncio.sleep(0.01)
         assert not purge.done()  # waits for the write in flight to the remote
         remote.put_gate.set()
-        assert await purge == {"cpu": 4, "disk": 4, "remote": 1}
+        purged = await purge
+        # 1: `later` was still queued (dropped as stale); 4: it was sent too, as the
+        # second of PUTS_IN_FLIGHT batches, and the purge waited for it as well.
+        assert purged["cpu"] == purged["disk"] == 4 and purged["remote"] in (1, 4)
         await manager.flush()
         assert set(disk.data) == set(remote.data) == set(keys_of(other))
 
