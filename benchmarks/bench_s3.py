@@ -324,9 +324,6 @@ def facade(endpoint: str, count: int, reps: int) -> dict[str, Any]:
     def at_defaults(base: LMTierConfig) -> LMTierConfig:
         return base.replace(s3=settings)
 
-    def generous(base: LMTierConfig) -> LMTierConfig:
-        return base.replace(s3=settings.replace(timeout_s=60))
-
     s3 = make_client(settings)  # the tier's own client settings
     workers = settings.max_concurrency
     names = [f"raw-facade/{i}" for i in range(count)]
@@ -348,7 +345,7 @@ def facade(endpoint: str, count: int, reps: int) -> dict[str, Any]:
         )
         rows = facade_rows(at_defaults, "s3", raw, count, reps)
     s3.close()
-    rows["defaults"] = defaults_row(at_defaults, generous, "s3", reps=3 if reps < 5 else 6)
+    rows["defaults"] = defaults_row(at_defaults, "s3", reps=3 if reps < 5 else 6)
     return rows
 
 
