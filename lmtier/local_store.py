@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -217,7 +218,9 @@ class LocalStore:
 
     def load(self, keys: Sequence[ChunkKey], lookup: Lookup | None) -> list[LoadedChunk]:
         manager, runtime = self._run()
-        return runtime.run(manager.get(keys, lookup))
+        # Host-memory hits in this thread; a hop to the loop only for a lower tier.
+        chunks = manager.reads.get_now(keys, lookup)
+        return chunks if chunks is not None else runtime.run(manager.get(keys, lookup))
 
     def reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
@@ -228,7 +231,10 @@ class LocalStore:
         return present, Reserved()
 
     def acquire_slabs(self, count: int) -> list[SlabHandle]:
-        return self._run()[0].acquire_slabs(count, True) if count > 0 else []
+        # In address order: the chunks a store writes into them load as one run
+        # (``LoadResult.kv`` copies a run of evenly spaced slabs in one call).
+        handles = self._run()[0].acquire_slabs(count, True) if count > 0 else []
+        return sorted(handles, key=attrgetter("index"))
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """The CPU tier adopts the slabs now, lower tiers in the background."""
