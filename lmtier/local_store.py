@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -219,7 +220,9 @@ class LocalStore:
 
     def load(self, keys: Sequence[ChunkKey], lookup: Lookup | None) -> list[LoadedChunk]:
         manager, runtime = self._run()
-        return runtime.run(manager.get(keys, lookup))
+        # Host-memory hits in this thread; a hop to the loop only for a lower tier.
+        chunks = manager.reads.get_now(keys, lookup)
+        return chunks if chunks is not None else runtime.run(manager.get(keys, lookup))
 
     def reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
@@ -230,9 +233,12 @@ class LocalStore:
         return present, Reserved()
 
     def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
-        """Free slabs; with ``wait``, a pool held by pending writes is waited for while
-        writes keep landing (``write_wait_s``: :mod:`lmtier.storage.room`)."""
-        return self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
+        """Free slabs, in address order (the chunks a store writes into them load as one
+        run: ``LoadResult.kv`` copies evenly spaced slabs in one call); with ``wait``,
+        a pool held by pending writes is waited for while writes keep landing
+        (``write_wait_s``: :mod:`lmtier.storage.room`)."""
+        handles = self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
+        return sorted(handles, key=attrgetter("index"))
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """The CPU tier adopts the slabs now, lower tiers in the background; a full write

@@ -44,12 +44,15 @@ Failures: a refused, reset or timed-out connection raises
 StorageManager's breaker sees it; when part of a batch succeeded, the rest are misses
 (or unstored chunks) counted in ``stats.errors``. Reads (GET, EXISTS) retry a lost
 connection twice with exponential backoff (5 ms, 10 ms); writes are never retried.
-A command that sees no progress for ``timeout_s`` fails with BackendTimeout. The
-StorageManager bounds whole calls by the tier's ``budget``: ``timeout_s`` plus the
-call's bytes at ``min_bytes_per_s`` (plus ``lookup_key_s`` per key looked up), and
-gives up on a call once ``io_progress`` (ticked whenever bytes move on any
-connection) has stood still for ``timeout_s`` (:mod:`lmtier.storage.budget`). The URL's password
-never appears in logs, reprs or messages (:func:`lmtier.config.secrets.redact_url`).
+A command that sees no progress for ``BACKSTOP * timeout_s`` fails with BackendTimeout:
+a backstop for callers without a guard. The StorageManager bounds whole calls by the
+tier's ``budget``: ``timeout_s`` plus the call's bytes at ``min_bytes_per_s`` (plus
+``lookup_key_s`` per key looked up), and gives up on a call once ``io_progress``
+(ticked whenever bytes move on any connection) has stood still for ``timeout_s`` of
+time the process could watch (:mod:`lmtier.storage.guard`): it, not a wall-clock
+timer, tells a hung server from a starved process, so the tier's own timers wait
+longer. The URL's password never appears in logs, reprs or messages
+(:func:`lmtier.config.secrets.redact_url`).
 
 Stats: ``lookups``, ``puts``, ``bytes_written``, and ``errors`` for failures the tier
 absorbs (part of a batch, a chunk Redis refused to store); ``get_into`` counts hits,
@@ -94,6 +97,12 @@ from lmtier_backends.redis.wire import Reply, exchange, pack_command, pack_key_c
 __all__ = ["CLOSE_TIMEOUT_S", "RedisTier"]
 
 logger = logging.getLogger(__name__)
+
+BACKSTOP = 2.0
+"""The tier's own timers (redis-py's socket timeout, the exchange's no-progress
+watchdog) wait ``BACKSTOP * timeout_s``. At ``timeout_s`` they raced the guard's
+watched-time stall check, and a wall-clock timer on a starved event loop fires in the
+same turn as the reply it was waiting for, failing a live server's answer."""
 
 CLOSE_TIMEOUT_S = 0.5
 """Upper bound of :meth:`RedisTier.close`; sockets are aborted, so it rarely takes 1 ms."""
@@ -159,6 +168,7 @@ class RedisTier(Tier):
         """TTL set by every SET (and renewed by hits with ``refresh_ttl_on_hit``)."""
         self.refresh_ttl_on_hit = refresh_ttl_on_hit
         self.timeout_s = timeout_s
+        self._command_timeout_s = BACKSTOP * timeout_s
         self.budget = CallBudget(timeout_s, min_bytes_per_s or None, lookup_key_s)
         """The deadline of each call, read by the StorageManager's guard."""
         self.io_progress = Progress()
@@ -185,7 +195,7 @@ class RedisTier(Tier):
                 url=self.url.reveal(),
                 cluster=self.cluster,
                 max_connections=self.max_connections,
-                timeout_s=self.timeout_s,
+                timeout_s=self._command_timeout_s,
             )
         except _TIER_FAILURES as exc:
             raise self._exceptions.error(exc, "open") from exc
@@ -359,7 +369,7 @@ class RedisTier(Tier):
         request = pack_key_commands(command, names)
         async with self._permit(), route.connection(node) as conn:
             return await exchange(
-                conn, [request], len(names), timeout=self.timeout_s, meter=self.io_progress
+                conn, [request], len(names), timeout=self._command_timeout_s, meter=self.io_progress
             )
 
     async def _integer(self, route: Route, command: bytes, name: bytes, reply: Reply) -> int:
@@ -382,7 +392,12 @@ class RedisTier(Tier):
         async def attempt() -> Reply:
             async with self._permit(), route.connection(route.node_of(name)) as conn:
                 (reply,) = await exchange(
-                    conn, command, 1, [sink], timeout=self.timeout_s, meter=self.io_progress
+                    conn,
+                    command,
+                    1,
+                    [sink],
+                    timeout=self._command_timeout_s,
+                    meter=self.io_progress,
                 )
             return reply
 
@@ -422,7 +437,11 @@ class RedisTier(Tier):
         await route.refresh()
         async with self._permit(), route.connection(route.node_of(name)) as conn:
             (reply,) = await exchange(
-                conn, pack_command(*args), 1, timeout=self.timeout_s, meter=self.io_progress
+                conn,
+                pack_command(*args),
+                1,
+                timeout=self._command_timeout_s,
+                meter=self.io_progress,
             )
         if reply == b"+OK":
             return True

@@ -178,3 +178,14 @@ def test_a_big_endian_array_gives_the_ids_it_holds() -> None:
     # Its bytes viewed as this machine's int64 were other ids: 5 hashed as 5 << 56.
     for dtype in (">u8", ">i8", ">u4"):
         assert as_token_array(np.array([5, 2**31], dtype=dtype)).tolist() == [5, 2**31]
+
+
+def test_a_plain_array_is_taken_without_asking_numpy_ma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``np.ma`` is imported lazily (~30 ms): the first load of a new process paid it."""
+
+    class Untouchable:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"np.ma.{name} was asked about a plain ndarray")
+
+    monkeypatch.setattr(np, "ma", Untouchable())
+    assert as_token_array(np.arange(3)).tolist() == [0, 1, 2]
