@@ -39,6 +39,7 @@ new schema name::
         "write_p50_s": float|null, "write_p99_s": float|null,
         "errors": int|null, "corrupt": int|null, "unservable": int|null,
         "skipped": int|null, "queue_drops": int|null,
+        "queue_waits": int|null,           # stores that waited for room (back-pressure)
         "queue_depth": int|null,           # writes waiting; null: no write queue (cpu)
         "breaker": "closed"|"open"|"half_open"|null,
         "evictions": int|null}],
@@ -81,7 +82,15 @@ TIER_FIELDS: Mapping[str, str] = MappingProxyType(
             for q in ("p50", "p99")
         },
         **dict.fromkeys(
-            ("errors", "corrupt", "unservable", "skipped", "queue_drops", "queue_depth"),
+            (
+                "errors",
+                "corrupt",
+                "unservable",
+                "skipped",
+                "queue_drops",
+                "queue_waits",
+                "queue_depth",
+            ),
             "int|null",
         ),
         "breaker": "str|null",
@@ -236,7 +245,15 @@ def _table(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     for op in ("read", "lookup", "write"):
         latencies = (render.format_latency(t[f"{op}_p50_s"], t[f"{op}_p99_s"]) for t in tiers)
         rows.append([f"{op} p50/p99", *latencies])
-    for field in ("errors", "corrupt", "unservable", "skipped", "queue_drops", "queue_depth"):
+    for field in (
+        "errors",
+        "corrupt",
+        "unservable",
+        "skipped",
+        "queue_drops",
+        "queue_waits",
+        "queue_depth",
+    ):
         rows.append([field.replace("_", " "), *(render.format_count(t[field]) for t in tiers)])
     rows.append(["breaker", *(t["breaker"] or render.MISSING for t in tiers)])
     rows.append(["evictions", *(render.format_count(t["evictions"]) for t in tiers)])

@@ -59,7 +59,11 @@ _TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "corrupt": ("corrupt", "Chunks that failed validation and were deleted."),
     "unservable": ("unservable", "Chunks present but impossible to serve, removed."),
     "evictions": ("evictions", "Chunks evicted to make room."),
-    "queue_drops": ("queue_drops", "Background writes dropped because the queue was full."),
+    "queue_drops": (
+        "queue_drops",
+        "Background writes dropped: the queue stayed full past write_wait_s, or the tier was down.",
+    ),
+    "queue_waits": ("queue_waits", "Stores that waited for room in the full write queue."),
     "skipped": ("skipped", "Calls not made because the circuit breaker was open."),
     "pins_refused": ("pins_refused", "Pins refused because they would pass the tier's pin cap."),
 }

@@ -137,7 +137,9 @@ def take_slabs(cpu_tier: CPUTier, room: RoomSignal, count: int, stall_s: float) 
                 continue
             if stall_s <= 0:
                 break
-            patience = patience or Patience(room, stall_s)
+            if patience is None:
+                patience = Patience(room, stall_s)
+                cpu_tier.stats.queue_waits += 1
             left = patience.left()
             if left <= 0:
                 break
@@ -152,6 +154,9 @@ async def take_slabs_async(
     stops waiting once ``closed()``)."""
     handles = take_slabs(cpu_tier, room, count, 0.0)
     patience = Patience(room, stall_s)
+    if len(handles) < count and stall_s > 0:
+        with room.lock:
+            cpu_tier.stats.queue_waits += 1
     while len(handles) < count and not closed():
         left = patience.left()
         if left <= 0:

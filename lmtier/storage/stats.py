@@ -79,7 +79,13 @@ class TierStats:
     removed from the tier so that lookups stop finding them."""
     evictions: int = 0
     queue_drops: int = 0
-    """Background writes dropped because the tier's queue was full."""
+    """Background writes dropped: the tier's queue stayed full past ``write_wait_s``
+    without a write landing, the tier was down (breaker open) with its queue full, or
+    the cache closed with them queued (:mod:`lmtier.storage.room`)."""
+    queue_waits: int = 0
+    """Times a store waited for room in this tier's full write queue (the CPU tier: for
+    slabs that pending writes held): back-pressure, each wait at most ``write_wait_s``
+    without a write landing."""
     skipped: int = 0
     """Calls not made because the tier's circuit breaker was open (fast misses)."""
     purged: int = 0

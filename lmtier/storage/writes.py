@@ -207,6 +207,7 @@ class BackgroundWrites:
                 return True
             if stall_s <= 0 or not self.may_wait():
                 return False
+            _count_waits(self.blocking(tiers))
             patience = Patience(self.room, stall_s)
             while self.blocking(tiers):
                 left = patience.left()
@@ -218,11 +219,15 @@ class BackgroundWrites:
     async def room_for(self, tiers: Sequence[Tier], stall_s: float) -> bool:
         """:meth:`wait_for_room` for a coroutine on the loop (the sidecar's stores):
         waits without blocking the loop."""
-        patience = Patience(self.room, stall_s)
+        patience, counted = Patience(self.room, stall_s), False
         while True:
             with self.lock:
-                if not self.blocking(tiers):
+                blocking = self.blocking(tiers)
+                if not blocking:
                     return True
+                if not counted:
+                    _count_waits(blocking)
+                    counted = True
             left = patience.left()
             if left <= 0:
                 return False
@@ -388,3 +393,9 @@ class BackgroundWrites:
                 flush_s,
                 dropped,
             )
+
+
+def _count_waits(tiers: Sequence[Tier]) -> None:
+    """One store waits for room in these tiers' queues: count it in each one's stats."""
+    for tier in tiers:
+        tier.stats.queue_waits += 1

@@ -104,6 +104,7 @@ def test_a_store_waits_for_a_slow_tier_and_loses_nothing() -> None:
         assert result == [MANY]
         runtime.run(manager.flush())
         assert len(tier.data) == MANY and tier.stats.queue_drops == 0
+        assert tier.stats.queue_waits >= 1  # counted: the back-pressure is visible
 
 
 def test_a_store_without_wait_drops_and_counts_as_before() -> None:
@@ -137,7 +138,7 @@ def test_a_tier_that_is_down_is_never_waited_for() -> None:
         # write_wait_s is NEVER_S: a wait would hang this test.
         stored = manager.put_many(encoded(manager, MANY, seed=100), wait=True)
         assert stored + tier.stats.queue_drops - drops == MANY
-        assert manager.writes.room.waiting == 0
+        assert manager.writes.room.waiting == 0 and tier.stats.queue_waits == 0
 
 
 def test_the_event_loop_never_waits() -> None:
@@ -161,6 +162,7 @@ def test_a_pool_held_by_pending_writes_is_waited_for() -> None:
         (handles,) = result
         assert isinstance(handles, list) and len(handles) == 4
         assert manager.cpu_tier.stats.queue_drops == 0
+        assert manager.cpu_tier.stats.queue_waits == 1
         for handle in handles:
             handle.release()
 
@@ -183,3 +185,4 @@ def test_write_wait_s_0_never_waits() -> None:
     with manager_of(tier, write_wait_s=0.0) as (manager, _):
         stored = manager.put_many(encoded(manager, MANY), wait=True)
         assert stored < MANY and tier.stats.queue_drops == MANY - stored
+        assert tier.stats.queue_waits == 0
