@@ -31,7 +31,7 @@ from lmtier.chunks.format import (
     DecodedChunk,
 )
 from lmtier.chunks.keys import KEY_BYTES, ChunkKey, split_key
-from lmtier.copies import copy_into
+from lmtier.copies import copy_many
 from lmtier.errors import InvalidKVError, brief
 from lmtier.storage.host_pool import SlabHandle
 
@@ -350,8 +350,20 @@ class ChunkFramer:
     def write(self, handle: SlabHandle, key: ChunkKey, kv: KVSource, ctime: float) -> int:
         """Copy one chunk's ``kv`` (checked by :func:`check_kv`, narrowed to one chunk)
         into ``handle``'s slab and frame it unsealed as chunk ``key``; the encoded length."""
-        _copy_kv(self.payload(handle), self._meta, kv)
-        return self.template.frame_into(handle.view, key, ctime=ctime, sealed=False)
+        return self.write_many([(handle, key, kv)], ctime)[0]
+
+    def write_many(
+        self, chunks: Sequence[tuple[SlabHandle, ChunkKey, KVSource]], ctime: float
+    ) -> list[int]:
+        """:meth:`write` for each ``(handle, key, kv)``, their copies one shared copy
+        (:func:`lmtier.copies.copy_many`: a batch of small chunks is copied by several
+        threads at once); the encoded lengths."""
+        meta = self._meta
+        copy_many(
+            [pair for handle, _, kv in chunks for pair in _kv_pairs(self.payload(handle), meta, kv)]
+        )
+        frame = self.template.frame_into
+        return [frame(handle.view, key, ctime=ctime, sealed=False) for handle, key, _ in chunks]
 
 
 def frame_slab(handle: SlabHandle, meta: ChunkMeta) -> int:
@@ -386,27 +398,29 @@ def encode_kv_into(
     """
     if isinstance(kv, torch.Tensor) and tuple(kv.shape) != meta.shape:
         raise ValueError(f"KV tensor has shape {tuple(kv.shape)}, the chunk needs {meta.shape}")
-    _copy_kv(payload_tensor(handle, meta), meta, kv)
+    copy_many(_kv_pairs(payload_tensor(handle, meta), meta, kv))
     return seal_slab(handle, meta, sign)
 
 
-def _copy_kv(target: torch.Tensor, meta: ChunkMeta, kv: KVSource) -> None:
-    """Copy one chunk's KV, a tensor or per-layer (K, V) pairs, into its payload view."""
+def _kv_pairs(
+    target: torch.Tensor, meta: ChunkMeta, kv: KVSource
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(place, source)`` copies that put one chunk's KV, a tensor or per-layer
+    (K, V) pairs, into its payload view ``target``."""
     if isinstance(kv, torch.Tensor):
-        copy_into(target, kv)
-        return
+        return [(target, kv)]
     if meta.layout not in ("LKTHD", "KLTHD"):
         raise ValueError(f"per-layer (K, V) input needs a K/V layout, not {meta.layout}")
     layers = meta.shape[0] if meta.layout == "LKTHD" else meta.shape[1]
     if len(kv) != layers:
         raise ValueError(f"got KV for {len(kv)} layers, the chunk has {layers}")
+    pairs = []
     for layer, (key, value) in enumerate(kv):
         if meta.layout == "LKTHD":
-            copy_into(target[layer, 0], key)
-            copy_into(target[layer, 1], value)
+            pairs += [(target[layer, 0], key), (target[layer, 1], value)]
         else:
-            copy_into(target[0, layer], key)
-            copy_into(target[1, layer], value)
+            pairs += [(target[0, layer], key), (target[1, layer], value)]
+    return pairs
 
 
 def chunk_tensor(chunk: DecodedChunk) -> torch.Tensor:

@@ -90,8 +90,9 @@ def _copy_chunks(chunks: list[LoadedChunk], axis: int, out: torch.Tensor) -> Non
     per chunk, a parallel region of torch's intra-op threads per chunk, which a busy
     machine stretches (a region waits for its slowest thread). So a run is one strided
     view over the region, shaped ``(chunks, *chunk shape)``, copied into the matching
-    view of ``out`` in one call on this thread (:func:`lmtier.copies.copy_into`); a
-    chunk in no run is one call. Only a run's first chunk gets a tensor view (~5 us
+    view of ``out`` in one call (:func:`lmtier.copies.copy_into`: cut into pieces that
+    this thread and helpers take in turn, none of them spinning); a chunk in no run is
+    one call. Only a run's first chunk gets a tensor view (~5 us
     each); the others are addresses.
     """
     places = [_place(chunk) for chunk in chunks]

@@ -54,13 +54,16 @@ def store_chunks(
             handles = reserved.take(len(batch))
             if len(handles) < len(batch):
                 handles += store.acquire_slabs(len(batch) - len(handles))
-            encoded: Encoded = []
             try:
-                for index, handle in zip(batch, handles, strict=False):
-                    part = narrow_kv(kv, spec, index * size, size)
-                    encoded.append(
-                        (keys[index], handle, framer.write(handle, keys[index], part, ctime))
-                    )
+                chunks = [
+                    (handle, keys[index], narrow_kv(kv, spec, index * size, size))
+                    for index, handle in zip(batch, handles, strict=False)
+                ]
+                sizes = framer.write_many(chunks, ctime)  # the batch's copies: one shared copy
+                encoded: Encoded = [
+                    (key, handle, length)
+                    for (handle, key, _), length in zip(chunks, sizes, strict=True)
+                ]
             except BaseException:
                 for handle in handles:
                     handle.release()
