@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -237,8 +236,7 @@ class LocalStore:
         run: ``LoadResult.kv`` copies evenly spaced slabs in one call); with ``wait``,
         a pool held by pending writes is waited for while writes keep landing
         (``write_wait_s``: :mod:`lmtier.storage.room`)."""
-        handles = self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
-        return sorted(handles, key=attrgetter("index"))
+        return self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """The CPU tier adopts the slabs now, lower tiers in the background; a full write

@@ -21,7 +21,7 @@ import torch
 
 from lmtier.chunks.format import DTYPE_ITEMSIZE
 from lmtier.chunks.keys import ChunkKey
-from lmtier.copies import copy_into
+from lmtier.copies import copy_many
 from lmtier.errors import InvalidKVError
 from lmtier.kv_spec import KVSpec, torch_dtype
 from lmtier.storage.lookup import LoadedChunk, Lookup
@@ -90,12 +90,13 @@ def _copy_chunks(chunks: list[LoadedChunk], axis: int, out: torch.Tensor) -> Non
     per chunk, a parallel region of torch's intra-op threads per chunk, which a busy
     machine stretches (a region waits for its slowest thread). So a run is one strided
     view over the region, shaped ``(chunks, *chunk shape)``, copied into the matching
-    view of ``out`` in one call (:func:`lmtier.copies.copy_into`: cut into pieces that
-    this thread and helpers take in turn, none of them spinning); a chunk in no run is
-    one call. Only a run's first chunk gets a tensor view (~5 us
-    each); the others are addresses.
+    view of ``out``; a chunk in no run is a view of its own. All of them are then one
+    shared copy (:func:`lmtier.copies.copy_many`: cut into pieces that this thread and
+    helpers take in turn, none of them spinning). Only a run's first chunk gets a
+    tensor view (~5 us each); the others are addresses.
     """
     places = [_place(chunk) for chunk in chunks]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     start = first = 0
     while first < len(chunks):
         last, step = first + 1, 0
@@ -107,14 +108,15 @@ def _copy_chunks(chunks: list[LoadedChunk], axis: int, out: torch.Tensor) -> Non
         extent = int(head.shape[axis])
         target = out.narrow(axis, start, count * extent)
         if count == 1:
-            copy_into(target, head)
+            pairs.append((target, head))
         else:  # step is in bytes, a whole number of elements (_step)
             strides = (step // head.element_size(), *head.stride())
             source = head.as_strided((count, *head.shape), strides)
             runs = (*target.shape[:axis], count, extent, *target.shape[axis + 1 :])
-            copy_into(target.view(runs).movedim(axis, 0), source)
+            pairs.append((target.view(runs).movedim(axis, 0), source))
         start += count * extent
         first = last
+    copy_many(pairs)
 
 
 _Place = tuple[int, int, tuple[int, ...], str]

@@ -56,6 +56,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from operator import attrgetter
 
 from lmtier.chunks.keys import ChunkKey, check_namespace
 from lmtier.errors import CacheClosedError, NotSupportedError
@@ -259,10 +260,12 @@ class StorageManager:
         return self._counted(count, handles, True)
 
     def _counted(self, count: int, handles: list[SlabHandle], drops: bool) -> list[SlabHandle]:
+        """``handles`` in address order (chunks a store writes into them load as one run:
+        ``LoadResult.kv`` copies evenly spaced slabs in one piece); the shortfall counted."""
         if drops and len(handles) < count:
             with self.lock:
                 self.cpu_tier.stats.queue_drops += count - len(handles)
-        return handles
+        return sorted(handles, key=attrgetter("index"))
 
     async def room_for_store(self) -> bool:
         """On the loop: wait, without blocking it, until every write-through tier's queue
