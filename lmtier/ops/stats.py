@@ -69,6 +69,18 @@ __all__ = ["SCHEMA", "SIDECAR_FIELDS", "TIER_FIELDS", "cmd_stats", "schema_probl
 
 SCHEMA = "lmtier.stats/1"
 """The ``schema`` value of ``--json`` output (module docstring)."""
+
+_COUNTS = (
+    "errors",
+    "corrupt",
+    "unservable",
+    "skipped",
+    "queue_drops",
+    "queue_waits",
+    "queue_depth",
+)
+"""The tier fields that are plain counts, in output order (the JSON and the table)."""
+
 TIER_FIELDS: Mapping[str, str] = MappingProxyType(
     {
         "name": "str",
@@ -81,18 +93,7 @@ TIER_FIELDS: Mapping[str, str] = MappingProxyType(
             for op in ("read", "lookup", "write")
             for q in ("p50", "p99")
         },
-        **dict.fromkeys(
-            (
-                "errors",
-                "corrupt",
-                "unservable",
-                "skipped",
-                "queue_drops",
-                "queue_waits",
-                "queue_depth",
-            ),
-            "int|null",
-        ),
+        **dict.fromkeys(_COUNTS, "int|null"),
         "breaker": "str|null",
         "evictions": "int|null",
     }
@@ -245,15 +246,7 @@ def _table(report: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     for op in ("read", "lookup", "write"):
         latencies = (render.format_latency(t[f"{op}_p50_s"], t[f"{op}_p99_s"]) for t in tiers)
         rows.append([f"{op} p50/p99", *latencies])
-    for field in (
-        "errors",
-        "corrupt",
-        "unservable",
-        "skipped",
-        "queue_drops",
-        "queue_waits",
-        "queue_depth",
-    ):
+    for field in _COUNTS:
         rows.append([field.replace("_", " "), *(render.format_count(t[field]) for t in tiers)])
     rows.append(["breaker", *(t["breaker"] or render.MISSING for t in tiers)])
     rows.append(["evictions", *(render.format_count(t["evictions"]) for t in tiers)])
