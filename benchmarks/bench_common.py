@@ -82,13 +82,17 @@ def paired_median_s(
 ) -> tuple[float, float]:
     """Median wall times of ``baseline()`` and ``measured()``, run alternately (after one
     untimed warm-up each), so that a noisy machine slows both alike: their ratio is the
-    figure to read."""
+    figure to read. Which runs first alternates too: what one leaves behind (torch's
+    idle OpenMP threads spin for a while after a parallel region, taking the cores
+    from whatever comes next: 3.2 against 4.1 ms for a load's copy run alone and run
+    after a torch ``copy_``) must not always fall on the same side."""
     baseline()
     measured()
     first: list[float] = []
     second: list[float] = []
-    for _ in range(repeats):
-        for fn, samples in ((baseline, first), (measured, second)):
+    for round_ in range(repeats):
+        pairs = ((baseline, first), (measured, second))
+        for fn, samples in pairs if round_ % 2 == 0 else pairs[::-1]:
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
