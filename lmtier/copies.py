@@ -132,7 +132,7 @@ def _pieces(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any], size: in
 class _SharedCopy:
     """Pieces taken one at a time by whichever thread asks next (module docstring)."""
 
-    def __init__(self, pieces: Sequence[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]):
+    def __init__(self, pieces: Pieces) -> None:
         self._pieces = pieces
         self._next = itertools.count()  # next() is atomic under the GIL
         self._left = len(pieces)

@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from lmtier.chunks.format import DecodedChunk
@@ -234,9 +233,9 @@ class Reads:
             count = pacer.size(self._chunk_bytes, len(keys) - len(chunks))
             if first is not None and not chunks:
                 count = min(count, first)
-            # In address order, like a store's: a load copies evenly spaced slabs out
-            # in one call per run (LoadResult.kv).
-            handles = sorted(self._acquire(count), key=attrgetter("index"))
+            # In address order (the StorageManager hands slabs out so), like a
+            # store's: a load copies evenly spaced slabs out in one piece per run.
+            handles = self._acquire(count)
             if not handles:
                 break  # every slab is in use by readers: serve what fits
             batch = keys[len(chunks) : len(chunks) + len(handles)]

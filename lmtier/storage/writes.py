@@ -203,11 +203,12 @@ class BackgroundWrites:
         landing anywhere, or at once where :meth:`may_wait` says no. Holding ``lock``
         (released while waiting, however often this thread has taken it)."""
         with self.lock:
-            if not self.blocking(tiers):
+            blocking = self.blocking(tiers)
+            if not blocking:
                 return True
             if stall_s <= 0 or not self.may_wait():
                 return False
-            _count_waits(self.blocking(tiers))
+            _count_waits(blocking)
             patience = Patience(self.room, stall_s)
             while self.blocking(tiers):
                 left = patience.left()
