@@ -226,10 +226,13 @@ class LocalStore:
     def reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
     ) -> tuple[int, Reserved]:
-        """What the local tiers hold (``skip`` when given); no slabs reserved: a store
-        takes them batch by batch (:meth:`acquire_slabs`), never waiting on I/O."""
-        present = skip if skip is not None else self._run()[0].lookup_local(keys).num_chunks
-        return present, Reserved()
+        """What the local tiers hold (``skip`` when given), and the free slabs for up
+        to ``count`` of the rest, taken now without waiting (evicting idle chunks); a
+        store takes more (:meth:`acquire_slabs`) only once these run out."""
+        manager = self._run()[0]
+        present = skip if skip is not None else manager.lookup_local(keys).num_chunks
+        wanted = min(count, len(keys) - present)
+        return present, Reserved(manager.acquire_slabs(wanted) if wanted > 0 else ())
 
     def acquire_slabs(self, count: int, *, wait: bool = True) -> list[SlabHandle]:
         """Free slabs, in address order (the chunks a store writes into them load as one
@@ -239,10 +242,15 @@ class LocalStore:
         return self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
-        """The CPU tier adopts the slabs now, lower tiers in the background; a full write
-        queue is waited for while writes keep landing (``write_wait_s``)."""
-        stored = self._run()[0].put_many(encoded, wait=True) if encoded else 0
-        return lambda: stored
+        """Deferred to the function returned, which :func:`lmtier.storing.store_chunks`
+        calls once its copies are done (or before it waits for slabs): the CPU tier
+        adopts the slabs then, and lower tiers write them in the background. Writes
+        begun while the caller still copies would take the CPUs and the memory
+        bandwidth its copies need (a 256 MiB store beside the disk tier's writes took
+        0.1 s, 0.03 s alone). A full write queue is waited for while writes keep
+        landing (``write_wait_s``)."""
+        manager = self._run()[0]
+        return lambda: manager.put_many(encoded, wait=True) if encoded else 0
 
     def host_memory(self) -> HostMemory:
         manager = self._run()[0]

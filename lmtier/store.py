@@ -144,8 +144,10 @@ class ChunkStore(Protocol):
 
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """Give filled slabs to the store (it owns their leases from now on); returns
-        a function that says how many were stored (it may wait for an answer). A full
-        write queue is waited for while writes keep landing (``write_wait_s``)."""
+        a function that says how many were stored (it may wait for an answer, or do
+        the hand-over itself: the caller always calls it, before it waits for more
+        slabs and on errors too). A full write queue is waited for while writes keep
+        landing (``write_wait_s``)."""
 
     def host_memory(self) -> HostMemory:
         """What this process holds in host memory for the store."""

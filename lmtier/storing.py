@@ -10,10 +10,13 @@ share it:
   lookup of the local tiers; a sidecar client: an AcquireSlabs round trip that
   answers both for the first batch, and one more for the rest whose answer comes
   while the first batch is copied.
-* ``acquire_slabs(n)``: more slabs when the reserved ones run out.
+* ``acquire_slabs(n)``: more slabs when the reserved ones run out (the hand-overs
+  so far are settled first: their slabs may be what frees room).
 * ``hand_over(encoded)``: give filled slabs to the cache; returns a function that
-  says how many were stored. Embedded: done at once; a sidecar client: a Commit in
-  flight while the next batch is copied.
+  says how many were stored, always called (on errors too). Embedded: the function
+  does the hand-over, once the copies are done, so that background writes do not
+  compete with them; a sidecar client: a Commit in flight while the next batch is
+  copied, the function waits for its answer.
 """
 
 from __future__ import annotations
@@ -48,11 +51,27 @@ def store_chunks(
     present, reserved = store.reserve(keys, skip, max(0, len(keys) - (skip or 0)))
     framer, step, ctime = layout.framer, store.store_batch, time.time()
     waits: list[Callable[[], int]] = []
+    stored = 0
+
+    def settle() -> None:  # every hand-over so far, all of them even if one fails
+        nonlocal stored
+        pending = waits[:]
+        waits.clear()
+        failed: BaseException | None = None
+        for wait in pending:
+            try:
+                stored += wait()
+            except BaseException as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
     try:
         for first in range(present, len(keys), step):
             batch = range(first, min(first + step, len(keys)))
             handles = reserved.take(len(batch))
             if len(handles) < len(batch):
+                settle()
                 handles += store.acquire_slabs(len(batch) - len(handles))
             try:
                 chunks = [
@@ -72,5 +91,8 @@ def store_chunks(
             if len(handles) < len(batch):
                 break  # the pool is exhausted by readers and pending writes: drop the rest
     finally:
-        reserved.release()  # reserved for chunks not stored after all
-    return sum(wait() for wait in waits)
+        try:
+            reserved.release()  # reserved for chunks not stored after all
+        finally:
+            settle()  # on errors too: every copied chunk's slab is handed over
+    return stored

@@ -1,11 +1,24 @@
-"""lmtier.storing.Reserved: slabs a store has in hand and those still coming."""
+"""lmtier.storing: slabs a store has in hand and those still coming (Reserved), and
+when an embedded store hands its chunks over (after its copies, before it waits for
+slabs, and on errors too)."""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Sequence
+from typing import Any
 
+import pytest
+import torch
+
+from lmtier import KVSpec, LMTier, LMTierConfig
+from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier.kv_spec import ChunkFramer
 from lmtier.storage.host_pool import HostPool, SlabHandle
+from lmtier.storage.manager import StorageManager
 from lmtier.store import Reserved
+
+CHUNK = 16
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 
 
 @pytest.fixture
@@ -60,3 +73,69 @@ def test_release_gives_back_what_it_holds_when_an_answer_fails(pool: HostPool) -
     with pytest.raises(RuntimeError):
         reserved.release()
     assert pool.num_in_use == 0
+
+
+def embedded(slabs: int) -> LMTier:
+    """An embedded cache, CPU tier only, with host memory for ``slabs`` chunks."""
+    slab = SPEC.encoded_chunk_bytes(CHUNK)
+    cpu = CPUTierConfig(capacity_bytes=(slabs - 1) * slab, staging_bytes=slab)
+    config = LMTierConfig(chunk_size=CHUNK, cpu=cpu, disk=DiskTierConfig(enabled=False))
+    return LMTier(config, SPEC, model_id="m")
+
+
+def test_an_embedded_store_hands_its_chunks_over_once_every_copy_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[str] = []
+    write_many, put_many = ChunkFramer.write_many, StorageManager.put_many
+
+    def copying(self: ChunkFramer, chunks: Sequence[Any], ctime: float) -> list[int]:
+        events.append("copy")
+        return write_many(self, chunks, ctime)
+
+    def handing(self: StorageManager, encoded: Sequence[Any], *, wait: bool = False) -> int:
+        events.append("hand over")
+        return put_many(self, encoded, wait=wait)
+
+    monkeypatch.setattr(ChunkFramer, "write_many", copying)
+    monkeypatch.setattr(StorageManager, "put_many", handing)
+    with embedded(64) as cache:
+        tokens = list(range(20 * CHUNK))
+        assert cache.store(tokens, torch.randn(SPEC.shape(len(tokens)))) == 20
+        batches = -(-20 // cache.chunk_store.store_batch)
+        # no background write competes with the caller's copies for the CPUs
+        assert events == ["copy"] * batches + ["hand over"] * batches
+        assert cache.lookup(tokens).num_chunks == 20
+
+
+def test_a_store_larger_than_host_memory_hands_over_before_it_takes_more_slabs() -> None:
+    with embedded(8) as cache:  # room for 8 chunks; the prompt has 20
+        tokens = list(range(20 * CHUNK))
+        kv = torch.randn(SPEC.shape(len(tokens)))
+        # every chunk was stored (the later ones evicted the earlier), none dropped for
+        # want of slabs that the store itself held un-handed-over
+        assert cache.store(tokens, kv) == 20
+        assert cache.stats()["cpu"]["queue_drops"] == 0
+        assert cache.host_memory().slabs_in_use == cache.host_memory().cached_chunks
+
+
+def test_a_copy_that_fails_mid_store_hands_over_the_batches_before_and_leaks_no_slab(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    write_many, calls = ChunkFramer.write_many, [0]
+
+    def failing(self: ChunkFramer, chunks: Sequence[Any], ctime: float) -> list[int]:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("the KV went away mid-copy")
+        return write_many(self, chunks, ctime)
+
+    monkeypatch.setattr(ChunkFramer, "write_many", failing)
+    with embedded(64) as cache:
+        tokens = list(range(20 * CHUNK))
+        with pytest.raises(RuntimeError, match="mid-copy"):
+            cache.store(tokens, torch.randn(SPEC.shape(len(tokens))))
+        step = cache.chunk_store.store_batch
+        assert cache.lookup(tokens).num_chunks == 2 * step  # the batches copied before
+        memory = cache.host_memory()
+        assert memory.slabs_in_use == memory.cached_chunks == 2 * step
