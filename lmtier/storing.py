@@ -29,7 +29,7 @@ from lmtier.errors import InvalidKVError
 from lmtier.kv_spec import KVSource, check_kv, narrow_kv
 from lmtier.store import ChunkStore, Encoded, StoreLayout
 
-__all__ = ["store_chunks"]
+__all__ = ["store_chunks", "store_each"]
 
 
 def store_chunks(
@@ -48,6 +48,18 @@ def store_chunks(
             f"kv covers {covered} tokens; the {len(keys)} full chunks of these tokens "
             f"need {len(keys) * size}"
         )
+    return store_each(store, layout, keys, lambda i: narrow_kv(kv, spec, i * size, size), skip)
+
+
+def store_each(
+    store: ChunkStore,
+    layout: StoreLayout,
+    keys: Sequence[ChunkKey],
+    chunk_kv: Callable[[int], KVSource],
+    skip: int | None,
+) -> int:
+    """:func:`store_chunks` with chunk ``i``'s KV from ``chunk_kv(i)`` (one chunk's KV,
+    already checked: :meth:`lmtier.LMTier.store_pages`)."""
     present, reserved = store.reserve(keys, skip, max(0, len(keys) - (skip or 0)))
     framer, step, ctime = layout.framer, store.store_batch, time.time()
     waits: list[Callable[[], int]] = []
@@ -75,7 +87,7 @@ def store_chunks(
                 handles += store.acquire_slabs(len(batch) - len(handles))
             try:
                 chunks = [
-                    (handle, keys[index], narrow_kv(kv, spec, index * size, size))
+                    (handle, keys[index], chunk_kv(index))
                     for index, handle in zip(batch, handles, strict=False)
                 ]
                 sizes = framer.write_many(chunks, ctime)  # the batch's copies: one shared copy

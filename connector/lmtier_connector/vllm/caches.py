@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import threading
 
-import lmtier
 from lmtier.api import LMTier
 from lmtier.config import LMTierConfig
 from lmtier.kv_spec import KVSpec
-from lmtier_connector.vllm.common import SidecarSettings
+from lmtier_connector.settings import SidecarSettings, open_engine_cache
 
 __all__ = ["CacheKey", "Caches", "caches", "open_cache"]
 
@@ -90,32 +89,16 @@ class Caches:
 def open_cache(key: CacheKey) -> LMTier:
     """A started LMTier for ``key``: a sidecar's client, or a cache of its own."""
     config, spec, model_id, revision, tp_size, tp_rank, sidecar = key
-    if sidecar is not None:
-        # A sidecar that is down is not an error here: calls miss until it is up.
-        return lmtier.connect(
-            sidecar.target,
-            config,
-            kv=spec,
-            model_id=model_id,
-            model_revision=revision,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            token=sidecar.token,
-            shared_memory=sidecar.shared_memory,
-            timeout_s=sidecar.timeout_s,
-            client_name=f"vllm pid {os.getpid()} rank {tp_rank}",
-        )
-    cache = LMTier(
+    return open_engine_cache(
         config,
         spec,
         model_id=model_id,
         model_revision=revision,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        sidecar=sidecar,
+        engine="vllm",
     )
-    # Opened here, not lazily: a misconfigured tier should fail at startup.
-    cache.start()
-    return cache
 
 
 caches = Caches()

@@ -9,7 +9,7 @@ each worker binds the chunk references (:class:`ChunkRefs`) to its own namespace
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -20,9 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey
 from lmtier.chunks.vllm_hash import bind_block_hash
-from lmtier.config import Secret
-from lmtier.config.secrets import read_secret_file
 from lmtier.errors import ConfigError
+from lmtier_connector.settings import SidecarSettings, bounded_number, sidecar_settings
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -43,19 +42,7 @@ __all__ = [
     "stored_chunk_event",
 ]
 
-
-@dataclass(frozen=True, slots=True)
-class SidecarSettings:
-    """Where the connector's cache lives when it is a sidecar's client
-    (:func:`lmtier.connect`): its ``target``, the bearer ``token``,
-    whether to map its shared host pool (``shared_memory``; else chunks stream), and
-    each call's deadline (``timeout_s``: what a sidecar that stops answering costs
-    the one call it hangs, a load inside a step included)."""
-
-    target: str
-    token: Secret | None = None
-    shared_memory: bool = True
-    timeout_s: float = 10.0
+_WHERE = "kv_connector_extra_config"
 
 
 ChunkLayout = Literal["page", "LKTHD"]
@@ -137,19 +124,21 @@ class ConnectorSettings:
             config=dict(overrides),
             vllm_block_hashes=bool(extra.get("vllm_block_hashes", True)),
             save_decode_tokens=bool(extra.get("save_decode_tokens", False)),
-            sidecar=_sidecar_settings(extra),
+            sidecar=sidecar_settings(extra, where=_WHERE),
             async_loads=_choice(extra.get("async_loads", "auto"), "async_loads", AsyncLoads),
-            lookup_wait_ms=_number(
+            lookup_wait_ms=bounded_number(
                 extra.get("lookup_wait_ms", 2.0),
                 "lookup_wait_ms",
                 "ms in 0..60000",
                 lambda v: 0 <= v <= 60_000,
+                where=_WHERE,
             ),
-            sync_load_max_ms=_number(
+            sync_load_max_ms=bounded_number(
                 extra.get("sync_load_max_ms", 20.0),
                 "sync_load_max_ms",
                 "ms in 0..60000",
                 lambda v: 0 <= v <= 60_000,
+                where=_WHERE,
             ),
             chunk_layout=_choice(extra.get("chunk_layout", "page"), "chunk_layout", ChunkLayout),
             page_interior=(
@@ -168,50 +157,6 @@ def _choice(value: object, name: str, choices: Any) -> Any:
     raise ConfigError(
         f"kv_connector_extra_config.{name} must be one of {list(allowed)}, got {value!r:.40}"
     )
-
-
-def _number(value: object, name: str, span: str, within: Callable[[float], bool]) -> float:
-    """``value`` as a float if it is a number (not a bool) ``within`` its bounds (named
-    ``span`` in the error), else a ConfigError naming the key."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not within(value):
-        raise ConfigError(
-            f"kv_connector_extra_config.{name} must be a number of {span}, got {value!r:.40}"
-        )
-    return float(value)
-
-
-def _sidecar_settings(extra: Mapping[str, Any]) -> SidecarSettings | None:
-    """The ``sidecar*`` keys of the extra config (None: an embedded cache)."""
-    target = extra.get("sidecar")
-    options = sorted(k for k in extra if k.startswith("sidecar_"))
-    if target is None:
-        if options:
-            raise ConfigError(f"kv_connector_extra_config {options} need 'sidecar' (a target)")
-        return None
-    if not isinstance(target, str) or not target.strip():
-        raise ConfigError(
-            "kv_connector_extra_config.sidecar must be 'unix:///path.sock' or 'host:port'"
-        )
-    token, token_file = extra.get("sidecar_token"), extra.get("sidecar_token_file")
-    if token is not None and token_file is not None:
-        raise ConfigError("set one of sidecar_token and sidecar_token_file, not both")
-    if token is not None and (not isinstance(token, str) or not token.strip()):
-        raise ConfigError("kv_connector_extra_config.sidecar_token must be a non-empty str")
-    secret = Secret(token.strip()) if token is not None else None
-    if token_file is not None:
-        if not isinstance(token_file, str) or not token_file.strip():
-            raise ConfigError("kv_connector_extra_config.sidecar_token_file must be a path")
-        secret = read_secret_file(token_file, "sidecar_token_file")
-    shared = extra.get("sidecar_shared_memory", True)
-    if not isinstance(shared, bool):
-        raise ConfigError("kv_connector_extra_config.sidecar_shared_memory must be a bool")
-    timeout = _number(
-        extra.get("sidecar_timeout_s", 10.0),
-        "sidecar_timeout_s",
-        "seconds in (0, 3600]",
-        lambda v: 0 < v <= 3600,
-    )
-    return SidecarSettings(target.strip(), secret, shared, timeout)
 
 
 @dataclass(frozen=True, slots=True)
