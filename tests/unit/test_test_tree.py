@@ -42,6 +42,7 @@ AREAS = {
     "s3",
     "peer",
     "vllm",
+    "sglang",
     "warm",
     # the checkout's own files: .ci/run, docs, extras, benchmarks
     "project",
