@@ -23,11 +23,10 @@ pytest.importorskip("grpc")
 
 with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, CUDA-only kernels)
     warnings.simplefilter("ignore")
+    from lmtier.testing.sidecar import SidecarProcess
     from support.redis_servers import RedisServer
     from support.sglang_pools import attached, fill_pages, hashes, mha_pool, read_pages
     from support.sglang_pools import storage_config as make_config
-
-    from lmtier.testing.sidecar import SidecarProcess
 
 TOKEN = "sglang-sidecar-token"
 SIDECAR = {  # slabs sized for these small pages (2 KiB), as docs/sglang.md says to size them
