@@ -38,8 +38,6 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lmtier import exiting
 from lmtier.arguments import checked_keys, require_int
 from lmtier.chunks.format import ChunkMeta
@@ -47,16 +45,18 @@ from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import ChunkHasher, ChunkKey, ExtraKeys, Namespace
 from lmtier.chunks.tokens import TokenInput
 from lmtier.config import LMTierConfig, load_config
-from lmtier.errors import CacheClosedError, ConfigError, InvalidKVError, InvalidRequestError
-from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, check_kv, frame_slab
+from lmtier.errors import CacheClosedError, ConfigError, InvalidRequestError
+from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
 from lmtier.namespaces import Namespaces
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import Lookup
 from lmtier.store import ChunkStore, StoreLayout
-from lmtier.storing import store_chunks, store_each
+from lmtier.storing import store_chunks, store_pages
 
 if TYPE_CHECKING:
+    import torch
+
     from lmtier.storage.manager import EvictListener
 
 __all__ = ["CacheLookup", "HostMemory", "LMTier", "LoadResult"]
@@ -361,25 +361,13 @@ class LMTier:
     def store_pages(
         self, keys: Sequence[ChunkKey], pages: Sequence[torch.Tensor], *, skip: int | None = None
     ) -> int:
-        """:meth:`store_keys` with each chunk's KV in a tensor of its own: ``pages[i]``
-        holds chunk ``i`` of ``keys``, shaped ``kv_spec.shape(chunk_size)``, of the
-        spec's dtype, with any strides (a view into an engine's host pool, whose pages
-        lie wherever its allocator put them). The chunks' copies are shared as a
-        store's batches are (:mod:`lmtier.copies`)."""
+        """:meth:`store_keys` with chunk ``i`` of ``keys`` in ``pages[i]``, shaped
+        ``kv_spec.shape(chunk_size)``, of the spec's dtype, any strides (a view into
+        an engine's host pool, whose pages lie wherever its allocator put them)."""
         keys = checked_keys(keys)
         if skip is not None:
             require_int("skip", skip)
-        if len(pages) != len(keys):
-            raise InvalidKVError(f"got {len(pages)} pages for {len(keys)} keys")
-        spec, size = self.kv_spec, self.chunk_size
-        for at, page in enumerate(pages):
-            if not isinstance(page, torch.Tensor):
-                raise InvalidKVError(f"page {at} is a {type(page).__name__}, not a tensor")
-            covered = check_kv(page, spec)
-            if covered != size:
-                raise InvalidKVError(f"page {at} holds {covered} tokens, a chunk {size}")
-        store = self._require()
-        return store_each(store, self._layout, keys, pages.__getitem__, skip)
+        return store_pages(self._require(), self._layout, keys, pages, skip)
 
     def _store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
         store = self._require()

@@ -45,9 +45,13 @@ __all__ = ["HostView", "LocalStore"]
 logger = logging.getLogger(__name__)
 CheckT = TypeVar("CheckT", bound=ChunkCheck)
 
-STORE_BATCH = 8
-"""Chunks a store frames per hand-over (each hand-over is one pass under the
-manager's lock; a lookup of the local tiers comes first)."""
+STORE_BATCH = 64
+"""Most chunks a store copies as one shared copy (:func:`lmtier.copies.copy_many`)
+and hands over at once (one pass under the manager's lock); a quarter of the host
+pool's slabs when that is fewer, so that a store larger than the pool still takes
+slabs that earlier batches gave back. Larger batches cost fewer hand-offs between
+the threads that copy: 64 pages of 2 MiB stored in 16 ms, against 19 ms in batches
+of 8."""
 
 
 class HostView(NamedTuple):
@@ -84,6 +88,8 @@ class LocalStore:
             runtime.stop()
             raise
         self._runtime = runtime
+        slabs = self._run()[0].cpu_tier.pool.num_slabs
+        self.store_batch = max(1, min(STORE_BATCH, slabs // 4))
 
     async def open(
         self,

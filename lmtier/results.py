@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +205,26 @@ class LoadResult:
             )
         _copy_chunks(self.chunks, axis, out)
         return out
+
+    def copy_to(self, targets: Sequence[torch.Tensor]) -> int:
+        """Copy loaded chunk ``i`` into ``targets[i]`` (each shaped as one chunk, any
+        strides, any device), all as one shared copy; how many chunks were copied (the
+        fewer of the loaded chunks and ``targets``). For engines whose pages lie apart
+        (SGLang's host pool): no per-chunk view that keeps this result alive is made."""
+        count = min(len(targets), len(self.chunks))
+        pairs = []
+        for at in range(count):
+            loaded = self.chunks[at]
+            loaded.handle.check("a loaded chunk")
+            source = self._transient_view(loaded)
+            if tuple(targets[at].shape) != tuple(source.shape):
+                raise InvalidKVError(
+                    f"target {at} has shape {tuple(targets[at].shape)}, a chunk "
+                    f"{tuple(source.shape)}"
+                )
+            pairs.append((targets[at], source))
+        copy_many(pairs)
+        return count
 
     def tokens_by_tier(self) -> dict[str, int]:
         """Loaded tokens per tier that served them."""

@@ -24,12 +24,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import InvalidKVError
 from lmtier.kv_spec import KVSource, check_kv, narrow_kv
 from lmtier.store import ChunkStore, Encoded, StoreLayout
 
-__all__ = ["store_chunks", "store_each"]
+__all__ = ["store_chunks", "store_each", "store_pages"]
 
 
 def store_chunks(
@@ -49,6 +51,26 @@ def store_chunks(
             f"need {len(keys) * size}"
         )
     return store_each(store, layout, keys, lambda i: narrow_kv(kv, spec, i * size, size), skip)
+
+
+def store_pages(
+    store: ChunkStore,
+    layout: StoreLayout,
+    keys: Sequence[ChunkKey],
+    pages: Sequence[torch.Tensor],
+    skip: int | None,
+) -> int:
+    """:meth:`lmtier.LMTier.store_pages`: each of ``pages`` checked to be one chunk's
+    KV (InvalidKVError naming the first that is not), then stored as chunk ``i``."""
+    if len(pages) != len(keys):
+        raise InvalidKVError(f"got {len(pages)} pages for {len(keys)} keys")
+    for at, page in enumerate(pages):
+        if not isinstance(page, torch.Tensor):
+            raise InvalidKVError(f"page {at} is a {type(page).__name__}, not a tensor")
+        covered = check_kv(page, layout.kv_spec)
+        if covered != layout.chunk_size:
+            raise InvalidKVError(f"page {at} holds {covered} tokens, a chunk {layout.chunk_size}")
+    return store_each(store, layout, keys, pages.__getitem__, skip)
 
 
 def store_each(

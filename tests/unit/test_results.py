@@ -91,3 +91,23 @@ def test_kv_refuses_an_out_of_another_shape(pool: HostPool) -> None:
         for wrong in (spec.shape(CHUNK), spec.shape(3 * CHUNK)):
             with pytest.raises(InvalidKVError, match="out has shape"):
                 loaded.kv(out=torch.empty(wrong))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout}-{s.dtype}")
+def test_copy_to_puts_each_chunk_in_its_own_target_whatever_its_strides(
+    pool: HostPool, spec: KVSpec
+) -> None:
+    kv = torch.randn(spec.shape(3 * CHUNK)).to(getattr(torch, spec.dtype))
+    chunk = spec.shape(CHUNK)
+    # pages apart and strided, as in an engine's host pool: chunk i in a transposed view
+    pages = [torch.full(chunk[::-1], -1.0, dtype=kv.dtype).permute(*range(len(chunk))[::-1])]
+    pages += [torch.zeros(chunk, dtype=kv.dtype) for _ in range(3)]
+    with load_into(pool, spec, kv, [5, 1, 3]) as loaded:
+        assert loaded.copy_to(pages) == 3  # four targets, three chunks
+        assert loaded.copy_to(pages[:2]) == 2  # two targets
+        for i in range(3):
+            assert torch.equal(pages[i], spec.narrow_tokens(kv, i * CHUNK, CHUNK))
+        assert torch.count_nonzero(pages[3]) == 0  # no chunk for it: untouched
+        with pytest.raises(InvalidKVError, match="target 1 has shape"):
+            loaded.copy_to([pages[0], torch.empty(spec.shape(2 * CHUNK), dtype=kv.dtype)])
+    assert pool.num_free == pool.num_slabs

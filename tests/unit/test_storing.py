@@ -131,7 +131,7 @@ def test_a_copy_that_fails_mid_store_hands_over_the_batches_before_and_leaks_no_
         return write_many(self, chunks, ctime)
 
     monkeypatch.setattr(ChunkFramer, "write_many", failing)
-    with embedded(64) as cache:
+    with embedded(16) as cache:  # batches of 4: the third of five fails
         tokens = list(range(20 * CHUNK))
         with pytest.raises(RuntimeError, match="mid-copy"):
             cache.store(tokens, torch.randn(SPEC.shape(len(tokens))))

@@ -43,7 +43,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from lmtier.api import LMTier
 from lmtier.chunks.keys import ChunkKey, Namespace
-from lmtier.copies import copy_many
 from lmtier.errors import ConfigError
 from lmtier_connector.settings import open_engine_cache
 from lmtier_connector.sglang.pages import PoolPages
@@ -54,6 +53,8 @@ __all__ = ["LMTierStorage", "bind_page_hash"]
 logger = logging.getLogger(__name__)
 
 _BIND_TAG = b"lmtier/sglang-page\0"
+BOUND_KEYS = 1 << 16
+"""Page hashes whose keys a backend remembers (~10 MiB)."""
 T = TypeVar("T")
 
 
@@ -103,6 +104,7 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             "backup_bandwidth": [],
         }
         self._warned: set[str] = set()
+        self._bound: dict[str, ChunkKey] = {}
 
     # ---- attach ----------------------------------------------------------------------
 
@@ -175,9 +177,26 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         return cache, pages, namespace
 
     def keys_of(self, page_hashes: Sequence[str]) -> list[ChunkKey]:
-        """lmtier's keys of SGLang's page hashes."""
+        """lmtier's keys of SGLang's page hashes (:func:`bind_page_hash`). SGLang asks
+        about the same pages again and again (a lookup, then the prefetch; every turn
+        of a conversation): the keys bound last are remembered (up to
+        :data:`BOUND_KEYS`), so a lookup of 256 pages does not hash 256 strings."""
+        bound = self._bound
+        try:
+            return [bound[h] for h in page_hashes]
+        except KeyError:
+            pass
         namespace = self._ready()[2]
-        return [bind_page_hash(namespace, h) for h in page_hashes]
+        keys = []
+        for page_hash in page_hashes:
+            key = bound.get(page_hash)
+            if key is None:
+                key = bind_page_hash(namespace, page_hash)
+                if len(bound) >= BOUND_KEYS:
+                    bound.clear()  # simpler than an LRU, and as good for prefixes seen again
+                bound[page_hash] = key
+            keys.append(key)
+        return keys
 
     def _guarded(self, what: str, fallback: T, call: Callable[[], T]) -> T:
         """``call()``, or ``fallback`` with the error logged (the first of each kind
@@ -308,13 +327,11 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
 
     def _load(self, keys: Sequence[str], places: Sequence[torch.Tensor]) -> int:
         """Copy the leading pages some tier holds into ``places`` (canonical views);
-        how many. One shared copy for the whole batch (:func:`lmtier.copies.copy_many`)."""
+        how many. One shared copy for the whole batch (:meth:`lmtier.LoadResult.copy_to`)."""
         cache = self._ready()[0]
         started = time.perf_counter()
         with cache.load_keys(self.keys_of(keys)) as hit:
-            chunks = hit.tensors()
-            copy_many(list(zip(places, chunks, strict=False)))
-            count = len(chunks)
+            count = hit.copy_to(places)
         self._record("prefetch", count, time.perf_counter() - started)
         return count
 
@@ -367,6 +384,11 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             for values in self._metrics.values():
                 values.clear()
         return StorageMetrics(**taken)
+
+    def flush(self) -> None:
+        """Wait until the writes queued so far have landed in every tier (SGLang never
+        calls it; a benchmark or a shutdown script may)."""
+        self._ready()[0].flush()
 
     def lmtier_stats(self) -> dict[str, dict[str, object]]:
         """lmtier's counters per tier (:meth:`lmtier.LMTier.stats`)."""
