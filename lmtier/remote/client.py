@@ -66,8 +66,10 @@ __all__ = ["SidecarStore", "connect", "sidecar_target"]
 
 logger = logging.getLogger(__name__)
 
-STORE_BATCH = 8
-"""Chunks per Commit (each in flight while the next batch is copied)."""
+STORE_BATCH = 16
+"""Chunks per Commit (each in flight while the next batch is copied). 16, not 8:
+fewer hand-offs between the copying threads (64 SGLang pages of 2 MiB into the
+sidecar's shared slabs: 17.5 ms, against 19.5 ms in batches of 8; 32: the same)."""
 
 
 def sidecar_target(config: LMTierConfig) -> str:
