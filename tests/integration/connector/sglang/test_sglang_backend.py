@@ -310,3 +310,38 @@ def test_clear_deletes_this_servers_pages_only(tmp_path: Path) -> None:
         assert backend.batch_exists(keys) == 0
     with attached(storage_config(extra(tmp_path, cache_salt="other")), mha_pool("page_first")) as b:
         assert b.batch_exists(keys) == 2
+
+
+def test_prefetch_and_backup_threads_at_once_get_their_own_pages(tmp_path: Path) -> None:
+    """SGLang calls a backend from its prefetch and backup threads at once."""
+    import threading
+
+    pool = mha_pool("page_first")
+    with attached(storage_config(extra(tmp_path)), pool) as backend:
+        held = hashes(4)
+        indices, pages = fill_pages(pool, 4, seed=12)
+        assert all(backend.batch_set_v1(held, indices))
+        more, _ = fill_pages(pool, 2, seed=13)
+        targets = [pool.alloc(4 * pool.page_size) for _ in range(3)]
+        failures: list[str] = []
+
+        def backup() -> None:
+            for round_ in range(20):
+                if not all(backend.batch_set_v1(hashes(2, seed=f"t{round_}"), more)):
+                    failures.append(f"backup {round_}")
+
+        def prefetch(target: torch.Tensor) -> None:
+            for round_ in range(20):
+                if backend.batch_get_v1(held, target) != [True] * 4:
+                    failures.append(f"prefetch {round_}")
+
+        threads = [threading.Thread(target=backup)]
+        threads += [threading.Thread(target=prefetch, args=(t,)) for t in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)  # a hang, not a speed check
+        assert not any(thread.is_alive() for thread in threads)
+        assert failures == []
+        for target in targets:
+            assert_equal_pages(read_pages(pool, target), pages)
