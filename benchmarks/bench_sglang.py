@@ -44,13 +44,16 @@ from typing import Any
 import torch
 from bench_common import add_contend_argument, contend, contention_of, paired_median_s
 
+# SGLang's pools are built as the tests build them (tests/support/sglang_pools.py):
+# benchmarks run from a checkout, so put its tests/ folder on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from support.sglang_pools import mha_pool
 
 from lmtier.testing.sidecar import SidecarProcess
 
@@ -67,30 +70,11 @@ LMTIER = {
 
 
 def host_pool(pages: int, *, layers: int = LAYERS, heads: int = HEADS, dim: int = HEAD_DIM) -> Any:
-    """SGLang's page_first MHA host pool with room for ``pages`` pages (bf16)."""
-    tokens = pages * PAGE
-    k = tuple(torch.empty(tokens, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.empty_like(t) for t in k)
-
-    def pointers(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
-
-    info = MHABufferInfo(
-        buffers=KVBuffers(
-            k=k, v=v, k_data_ptrs=pointers(k), v_data_ptrs=pointers(v), layout=KVBufferLayout.NHD
-        ),
-        page_size=PAGE,
-        head_num=heads,
-        head_dim=dim,
-        v_head_dim=dim,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
-    with host_memory_budget_scope(1 << 36):
-        pool = MHATokenToKVPoolHost(
-            info, 1.0, 0, PAGE, "page_first", pin_memory=False, device="cpu",
-            device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
-        )  # fmt: skip
+    """SGLang's page_first MHA host pool with room for ``pages`` pages (bf16), touched."""
+    pool = mha_pool(
+        "page_first", layers=layers, heads=heads, head_dim=dim, page=PAGE,
+        device_tokens=pages * PAGE, ratio=1.0,
+    )  # fmt: skip
     pool.kv_buffer.normal_()  # touched, and not zeros
     return pool
 

@@ -53,9 +53,11 @@ def mha_pool(
     heads: int = HEADS,
     head_dim: int = HEAD_DIM,
     page: int = PAGE,
+    device_tokens: int = DEVICE_TOKENS,
+    ratio: float = 2.0,
 ) -> Any:
-    """An MHA host pool of ``layout`` (2x the fake device's tokens)."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, heads, head_dim, dtype=dtype) for _ in range(layers))
+    """An MHA host pool of ``layout`` (``ratio`` x the fake device's tokens)."""
+    k = tuple(torch.zeros(device_tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
     v = tuple(torch.zeros_like(t) for t in k)
     info = MHABufferInfo(
         buffers=KVBuffers(
@@ -68,19 +70,7 @@ def mha_pool(
         dtype=dtype,
         device=CPU,
     )
-    with host_memory_budget_scope(1 << 30):
-        return MHATokenToKVPoolHost(
-            info,
-            2.0,
-            0,
-            page,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=DEVICE_TOKENS,
-            start_layer=0,
-            end_layer=layers,
-        )
+    return _built(MHATokenToKVPoolHost, info, layout, page, device_tokens, ratio, layers)
 
 
 def mla_pool(layout: str, *, dtype: torch.dtype = torch.bfloat16, page: int = PAGE) -> Any:
@@ -98,19 +88,35 @@ def mla_pool(layout: str, *, dtype: torch.dtype = torch.bfloat16, page: int = PA
         dtype=dtype,
         device=CPU,
     )
-    with host_memory_budget_scope(1 << 30):
-        return MLATokenToKVPoolHost(
+    return _built(
+        MLATokenToKVPoolHost,
+        info,
+        layout,
+        page,
+        DEVICE_TOKENS,
+        2.0,
+        LAYERS,
+        target_layer_num=LAYERS,
+    )
+
+
+def _built(
+    cls: Any, info: Any, layout: str, page: int, tokens: int, ratio: float, layers: int, **more: Any
+) -> Any:
+    """SGLang's host pool ``cls`` as its engine builds it, on the CPU (see above)."""
+    with host_memory_budget_scope(1 << 36):
+        return cls(
             info,
-            2.0,
+            ratio,
             0,
             page,
             layout,
             pin_memory=False,
             device="cpu",
-            device_capacity_tokens=DEVICE_TOKENS,
+            device_capacity_tokens=tokens,
             start_layer=0,
-            end_layer=LAYERS,
-            target_layer_num=LAYERS,
+            end_layer=layers,
+            **more,
         )
 
 
@@ -192,3 +198,23 @@ def hashes(count: int, seed: str = "a") -> list[str]:
     import hashlib
 
     return [hashlib.sha256(f"{seed}:{at}".encode()).hexdigest() for at in range(count)]
+
+
+def assert_equal_pages(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Bit for bit, page by page."""
+    assert len(got) == len(want)
+    for at, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"page {at} differs"
+
+
+def assert_same_kv(
+    pool: Any, flat_pages: list[torch.Tensor], other: Any, other_pages: list[torch.Tensor]
+) -> None:
+    """Flat pages of two pools, each in its own layout's order, hold the same KV."""
+    from lmtier_connector.sglang.pages import PoolPages
+
+    ours, theirs = PoolPages.of(pool), PoolPages.of(other)
+    assert_equal_pages(
+        [ours.flat(p).contiguous() for p in flat_pages],
+        [theirs.flat(p).contiguous() for p in other_pages],
+    )

@@ -33,6 +33,8 @@ with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, CUDA-only k
     from lmtier_connector.sglang import LMTierStorage
     from lmtier_connector.sglang.pages import PoolPages
     from support.sglang_pools import (
+        assert_equal_pages,
+        assert_same_kv,
         attach,
         attached,
         fill_pages,
@@ -54,12 +56,6 @@ def extra(tmp_path: Path, **more: Any) -> dict[str, Any]:
 
 def pool_of(kind: str, layout: str, **kw: Any) -> Any:
     return mha_pool(layout, **kw) if kind == "mha" else mla_pool(layout, **kw)
-
-
-def assert_equal_pages(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for at, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"page {at} differs"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -109,11 +105,7 @@ def test_servers_with_different_host_layouts_share_pages(tmp_path: Path, kind: s
             target = reader_pool.alloc(4 * reader_pool.page_size)
             assert reader.batch_get_v1(keys, target) == [True] * 4
             # each pool's flat pages are in its own layout's order: compare canonically
-            got, want = PoolPages.of(reader_pool), PoolPages.of(writer_pool)
-            assert_equal_pages(
-                [got.flat(p).contiguous() for p in read_pages(reader_pool, target)],
-                [want.flat(p).contiguous() for p in pages],
-            )
+            assert_same_kv(reader_pool, read_pages(reader_pool, target), writer_pool, pages)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

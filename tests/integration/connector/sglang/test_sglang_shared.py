@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]
 
@@ -25,7 +24,15 @@ with warnings.catch_warnings():  # SGLang's imports warn (torch.jit, CUDA-only k
     warnings.simplefilter("ignore")
     from lmtier.testing.sidecar import SidecarProcess
     from support.redis_servers import RedisServer
-    from support.sglang_pools import attached, fill_pages, hashes, mha_pool, read_pages
+    from support.sglang_pools import (
+        assert_equal_pages,
+        assert_same_kv,
+        attached,
+        fill_pages,
+        hashes,
+        mha_pool,
+        read_pages,
+    )
     from support.sglang_pools import storage_config as make_config
 
 TOKEN = "sglang-sidecar-token"
@@ -33,12 +40,6 @@ SIDECAR = {  # slabs sized for these small pages (2 KiB), as docs/sglang.md says
     "cpu": {"capacity_bytes": "4MiB"},
     "sidecar": {"auth_token": TOKEN, "slab_bytes": "64KiB"},
 }
-
-
-def assert_equal_pages(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for at, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"page {at} differs"
 
 
 @pytest.fixture
@@ -70,13 +71,7 @@ def test_two_servers_share_pages_through_redis(redis: RedisServer) -> None:
         assert reader.batch_exists(keys) == 8
         target = reader_pool.alloc(8 * reader_pool.page_size)
         assert reader.batch_get_v1(keys, target) == [True] * 8
-        from lmtier_connector.sglang.pages import PoolPages
-
-        got, want = PoolPages.of(reader_pool), PoolPages.of(writer_pool)
-        assert_equal_pages(
-            [got.flat(p).contiguous() for p in read_pages(reader_pool, target)],
-            [want.flat(p).contiguous() for p in pages],
-        )
+        assert_same_kv(reader_pool, read_pages(reader_pool, target), writer_pool, pages)
         assert reader.lmtier_stats()["redis"]["hits"] >= 8
 
 
