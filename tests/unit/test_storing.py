@@ -12,6 +12,7 @@ import torch
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier.errors import InvalidKVError
 from lmtier.kv_spec import ChunkFramer
 from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.manager import StorageManager
@@ -139,3 +140,27 @@ def test_a_copy_that_fails_mid_store_hands_over_the_batches_before_and_leaks_no_
         assert cache.lookup(tokens).num_chunks == 2 * step  # the batches copied before
         memory = cache.host_memory()
         assert memory.slabs_in_use == memory.cached_chunks == 2 * step
+
+
+def test_store_pages_takes_each_chunk_from_a_tensor_of_its_own() -> None:
+    with embedded(64) as cache:
+        keys = cache.keys(list(range(3 * CHUNK)))
+        whole = torch.randn(SPEC.shape(4 * CHUNK))
+        # pages apart and strided: every other chunk of a larger tensor, reversed
+        pages = [SPEC.narrow_tokens(whole, at * CHUNK, CHUNK) for at in (3, 1, 0)]
+        assert cache.store_pages(keys, pages) == 3
+        assert cache.store_pages(keys, pages) == 0  # held: nothing stored again
+        targets = [torch.empty(SPEC.shape(CHUNK)) for _ in keys]
+        with cache.load_keys(keys) as hit:
+            assert hit.copy_to(targets) == 3
+        for target, page in zip(targets, pages, strict=True):
+            assert torch.equal(target, page)
+        bad: list[tuple[list[Any], str]] = [
+            (pages[:2], "got 2 pages for 3 keys"),
+            ([pages[0], "page", pages[2]], "page 1 is a str"),
+            ([pages[0], whole, pages[2]], f"page 1 holds {4 * CHUNK} tokens"),
+            ([pages[0], pages[1].double(), pages[2]], "dtype"),
+        ]
+        for given, message in bad:
+            with pytest.raises(InvalidKVError, match=message):
+                cache.store_pages(cache.keys(list(range(100, 100 + 3 * CHUNK))), given)
