@@ -111,14 +111,15 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take SGLang's host KV pool and open the cache its geometry names."""
         pages = PoolPages.of(mem_pool_host)
-        if pages.page_size % 16 or pages.page_size > 65536:
-            raise ConfigError(
-                f"SGLang's pages hold {pages.page_size} tokens; lmtier stores pages of a "
-                "multiple of 16 tokens (up to 65536): start SGLang with --page-size 64 "
-                "(or another multiple of 16)"
-            )
-        super().register_mem_pool_host(mem_pool_host)
         config, settings = self.storage_config, self.settings
+        try:  # lmtier's config keeps the rule for chunk sizes; SGLang's user gets the flag
+            lmtier_config = settings.config.replace(chunk_size=pages.page_size)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"SGLang's pages hold {pages.page_size} tokens, not an lmtier chunk size "
+                f"({exc}): start SGLang with --page-size 64 (or another multiple of 16)"
+            ) from None
+        super().register_mem_pool_host(mem_pool_host)
         mla = pages.mla or bool(config.is_mla_model)
         with self._lock:
             if self._cache is not None:
@@ -127,7 +128,7 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 self._pages = pages
                 return
             cache = open_engine_cache(
-                settings.config.replace(chunk_size=pages.page_size),
+                lmtier_config,
                 pages.spec,
                 model_id=self.model_id,
                 model_revision=settings.model_revision,
