@@ -31,7 +31,7 @@ from lmtier.errors import InvalidKVError
 from lmtier.kv_spec import KVSource, check_kv, narrow_kv
 from lmtier.store import ChunkStore, Encoded, StoreLayout
 
-__all__ = ["store_chunks", "store_each", "store_pages"]
+__all__ = ["store_chunks", "store_pages"]
 
 
 def store_chunks(
@@ -50,7 +50,7 @@ def store_chunks(
             f"kv covers {covered} tokens; the {len(keys)} full chunks of these tokens "
             f"need {len(keys) * size}"
         )
-    return store_each(store, layout, keys, lambda i: narrow_kv(kv, spec, i * size, size), skip)
+    return _store_each(store, layout, keys, lambda i: narrow_kv(kv, spec, i * size, size), skip)
 
 
 def store_pages(
@@ -70,10 +70,10 @@ def store_pages(
         covered = check_kv(page, layout.kv_spec)
         if covered != layout.chunk_size:
             raise InvalidKVError(f"page {at} holds {covered} tokens, a chunk {layout.chunk_size}")
-    return store_each(store, layout, keys, pages.__getitem__, skip)
+    return _store_each(store, layout, keys, pages.__getitem__, skip)
 
 
-def store_each(
+def _store_each(
     store: ChunkStore,
     layout: StoreLayout,
     keys: Sequence[ChunkKey],
