@@ -38,6 +38,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "plot": ("matplotlib",),
     "vllm": ("vllm",),
     "cuda": ("cupy",),
+    "events": ("zmq",),
     "cluster": ("cryptography",),
 }
 """Each extra of pyproject.toml and the top-level modules it installs that lmtier

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
@@ -39,6 +39,9 @@ from lmtier.storage.plugins import open_tiers
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.stats import TierStats
 from lmtier.store import Encoded, Reserved, StoreLayout
+
+if TYPE_CHECKING:
+    from lmtier.events.publisher import EventPublisher
 
 __all__ = ["HostView", "LocalStore"]
 
@@ -74,6 +77,7 @@ class LocalStore:
         self.config = config
         self._runtime: Runtime | None = None
         self._manager: StorageManager | None = None
+        self._publisher: EventPublisher | None = None
 
     # ---- opening -------------------------------------------------------------------
 
@@ -122,7 +126,39 @@ class LocalStore:
             cpu_tier.pool.close()
             raise
         self._manager = manager
+        if config.events.enabled:
+            try:
+                self._publisher = self._publish_events(manager)
+            except BaseException:
+                await manager.close(0)
+                self._manager = None
+                cpu_tier.pool.close()
+                raise
         return chunk_check
+
+    def _publish_events(self, manager: StorageManager) -> EventPublisher:
+        """The KV-event publisher of this store's tiers (:mod:`lmtier.events`)."""
+        # pyzmq is the `events` extra: imported only where events are published.
+        from lmtier.events.publisher import EventPublisher  # noqa: PLC0415
+
+        cpu_tier, lock = manager.cpu_tier, manager.lock
+
+        def snapshot() -> list[ChunkKey]:
+            with lock:
+                return cpu_tier.keys()
+
+        return EventPublisher(
+            self.config.events,
+            manager.events,
+            block_size=self.config.chunk_size,
+            snapshot=snapshot,
+            memory_tier=cpu_tier.name,
+        ).start()
+
+    @property
+    def event_publisher(self) -> EventPublisher | None:
+        """The KV-event publisher, when ``events.enabled``."""
+        return self._publisher
 
     @property
     def manager(self) -> StorageManager:
@@ -172,8 +208,13 @@ class LocalStore:
         ``close_flush_s``) and close the tiers, on the loop the store was opened on;
         the pool stays mapped until :meth:`release`."""
         manager = self._manager
-        if manager is not None:
-            await manager.close(self.config.close_flush_s if flush_s is None else flush_s)
+        try:
+            if manager is not None:
+                await manager.close(self.config.close_flush_s if flush_s is None else flush_s)
+        finally:
+            publisher, self._publisher = self._publisher, None
+            if publisher is not None:  # after the close: what it wrote is published too
+                publisher.stop()
 
     def release(self) -> None:
         """Free the host pool (after :meth:`shut`); the store cannot be used again."""

@@ -22,6 +22,7 @@ Example file::
       region: eu-west-1
 """
 
+from lmtier.config.events import EventsConfig
 from lmtier.config.model import (
     MAX_CHUNK_SIZE,
     CPUTierConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "ExtraTierConfig",
     "IntegrityConfig",
     "LMTierConfig",
+    "EventsConfig",
     "PeerConfig",
     "RedisTierConfig",
     "S3TierConfig",

@@ -26,6 +26,7 @@ from urllib.parse import SplitResult, urlsplit
 from pydantic import AfterValidator, Field, field_validator
 
 from lmtier.chunks.keys import BLOCK_SIZE, HASH_ALGORITHMS, HashAlgorithm
+from lmtier.config.events import EventsConfig
 from lmtier.config.peer import PeerConfig
 from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, ConfiguredWritePolicy
 from lmtier.config.secrets import MASK, Secret, SecretURL, redact_url
@@ -436,6 +437,8 @@ class LMTierConfig(_Section):
     """The S3 tier."""
     peer: PeerConfig = Field(default_factory=PeerConfig)
     """Chunks fetched from (and served to) other nodes' CPU tiers, after disk."""
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    """KV events of every tier on ZMQ, in vLLM's format (:mod:`lmtier.events`)."""
     extra_tiers: tuple[ExtraTierConfig, ...] = ()
     """Tiers of third-party backends, after the others, in order."""
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)

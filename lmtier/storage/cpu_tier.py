@@ -134,6 +134,8 @@ class CPUTier(Tier):
                 handle.release()
                 return False
         self._entries[key] = _Entry(handle, size)
+        if self.events is not None:
+            self.events.emit("stored", self.name, (key,))
         self.stats.puts += 1
         self.stats.bytes_written += size
         return True
@@ -185,6 +187,7 @@ class CPUTier(Tier):
             return False
         entry = self._entries.pop(victim)
         self.stats.evictions += 1
+        self.announce_removed((victim,))
         if self.on_evict is not None:
             self.on_evict(victim, entry.handle, entry.size)
         else:
@@ -236,14 +239,15 @@ class CPUTier(Tier):
 
     def discard(self, keys: Sequence[ChunkKey]) -> int:
         """Drop these chunks now (synchronous :meth:`delete`); how many were cached."""
-        removed = 0
+        gone: list[ChunkKey] = []
         for key in keys:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 entry.handle.release()
                 self.pins.discard(key)
-                removed += 1
-        return removed
+                gone.append(key)
+        self.announce_removed(gone)
+        return len(gone)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         return self.discard(keys)

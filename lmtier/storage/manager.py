@@ -18,10 +18,10 @@ what differs between tiers is in their :class:`~lmtier.storage.tier.TierProperti
   by pending writes, waits for room while writes keep landing, up to
   ``write_wait_s`` without one (:mod:`lmtier.storage.room`); then, or at once for a
   tier that is down, the write is dropped and counted. Promotions never wait.
-* **evict listeners** (:meth:`StorageManager.add_evict_listener`) are told the key of
-  every chunk the CPU tier evicts, after the write-back is queued (the chunk may still
-  be in a lower tier), and of every chunk a purge drops from it; an engine integration
-  uses it to announce removals.
+* **events** (:attr:`StorageManager.events`): what every tier gains and loses, queued
+  for subscribers (:mod:`lmtier.storage.events`); **evict listeners** are told at once,
+  under the lock, of each chunk the CPU tier evicts or a purge drops (an engine
+  integration announces removals with them).
 * **purge** (:meth:`StorageManager.purge`) deletes one namespace's chunks from every
   tier, CPU first, and keeps writes and promotions begun before it from bringing them
   back (:mod:`lmtier.storage.purging`).
@@ -64,6 +64,7 @@ from lmtier.storage.barriers import PurgeBarriers
 from lmtier.storage.breaker import CircuitBreaker
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
+from lmtier.storage.events import TierEvents
 from lmtier.storage.guard import TierGuard
 from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan, Walk
@@ -158,6 +159,9 @@ class StorageManager:
         ]
         self._evict_listeners: list[EvictListener] = []
         cpu_tier.on_evict = self._on_evict
+        self.events = TierEvents()  # what each tier gains and loses
+        for tier in (cpu_tier, *self.tiers):
+            tier.events = self.events
         self._closed = False
         self.reads = Reads(
             cpu_tier,
@@ -390,6 +394,8 @@ class StorageManager:
                 purged[tier.name] = await purge_tier(
                     self.guards[tier.name], self.writes, namespace, self.purge_timeout_s
                 )
+                if purged[tier.name] != PURGE_UNSUPPORTED:  # (a failure may delete some)
+                    self.events.emit("cleared", tier.name, namespace=namespace)
         finally:
             with self.lock:
                 self.barriers.end(namespace)
@@ -481,15 +487,11 @@ class StorageManager:
         out: dict[str, dict[str, object]] = {}
         for tier in [self.cpu_tier, *self.tiers]:
             entry: dict[str, object] = {**tier.usage(), **tier.stats.as_dict()}
-            depth = self.writes.depth(tier)
-            if depth is not None:
+            if (depth := self.writes.depth(tier)) is not None:
                 entry["queue_depth"] = depth
-            breaker = self.breakers.get(tier.name)
-            if breaker is not None:
-                entry["breaker"] = breaker.state.value
-                entry["breaker_opens"] = breaker.opens
-            pacer = self.reads.pacers.get(tier.name)
-            if pacer is not None:
+            if (breaker := self.breakers.get(tier.name)) is not None:
+                entry.update(breaker=breaker.state.value, breaker_opens=breaker.opens)
+            if (pacer := self.reads.pacers.get(tier.name)) is not None:
                 entry["read_batch"] = pacer.size(self._chunk_bytes, MAX_CHUNKS)
                 entry["abandoned_in_flight"] = len(self.guards[tier.name].abandoned)
             out[tier.name] = entry

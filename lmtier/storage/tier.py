@@ -66,6 +66,7 @@ from lmtier.chunks.format import DecodedChunk, decode_as
 from lmtier.chunks.keys import ChunkKey, check_namespace
 from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, WritePolicy
 from lmtier.errors import CorruptChunk, NotSupportedError
+from lmtier.storage.events import TierEvents
 from lmtier.storage.pins import Pins
 from lmtier.storage.stats import TierStats
 
@@ -138,6 +139,15 @@ class Tier(ABC):
     stats: TierStats
     pins: Pins | None = None
     """Chunks exempt from eviction; None: this tier does not pin (module docstring)."""
+    events: TierEvents | None = None
+    """Where the tier tells of chunks it drops on its own (its evictions, deletes of
+    corrupt chunks): set by the StorageManager (:mod:`lmtier.storage.events`)."""
+
+    def announce_removed(self, keys: Sequence[ChunkKey]) -> None:
+        """Tell the event feed that this tier no longer holds ``keys`` (a backend calls
+        it for chunks it evicts by itself). Any thread; cheap when nobody listens."""
+        if self.events is not None:
+            self.events.emit("removed", self.name, keys)
 
     @classmethod
     async def open(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
@@ -236,6 +246,7 @@ class Tier(ABC):
         if bad:
             logger.warning("%s: %d corrupt or unservable chunk(s) deleted", self.name, len(bad))
             await self.delete(bad)
+            self.announce_removed(bad)
         hits = sum(size is not None for size in sizes)
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits

@@ -36,7 +36,10 @@ FLOORS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"config": ("lmtier.config",)},  # the typed configuration
     {"storage": ("lmtier.storage",)},  # tiers, the StorageManager, the host pool
     {"rpc": ("lmtier.v1",)},  # the generated gRPC stubs
-    {"wire": ("lmtier.wire",)},  # what both ends of the sidecar and the peer tier share
+    {
+        "wire": ("lmtier.wire",),  # what both ends of the sidecar and the peer tier share
+        "events": ("lmtier.events",),  # KV events on ZMQ, in vLLM's format
+    },
     {  # the facade: everything else at lmtier's top (the package's exports included)
         "facade": ("lmtier",),
     },

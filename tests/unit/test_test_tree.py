@@ -28,6 +28,7 @@ AREAS = {
     "config",
     "storage",
     "wire",
+    "events",
     "remote",
     "sidecar",
     "v1",

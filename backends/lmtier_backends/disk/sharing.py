@@ -82,6 +82,7 @@ class SharedRoom:
         unlink: Unlink,
         unlinking: Container[ChunkKey],
         on_adopted: Callable[[int], None],
+        on_evicted: Callable[[list[ChunkKey]], None],
     ) -> None:
         self.name = name
         self.root = root
@@ -93,6 +94,7 @@ class SharedRoom:
         self._unlink = unlink
         self._unlinking = unlinking
         self._on_adopted = on_adopted
+        self._on_evicted = on_evicted
         self._rescan: asyncio.Task[None] | None = None
         self._last_rescan = -RESCAN_INTERVAL_S
         self._adopted = 0
@@ -149,7 +151,9 @@ class SharedRoom:
         if not victims:
             return False
         self.stats.evictions += len(victims)
-        await self._unlink(pool, [key for key, _ in victims])
+        keys = [key for key, _ in victims]
+        self._on_evicted(keys)
+        await self._unlink(pool, keys)
         return True
 
     async def _adopt(self, pool: ThreadPoolExecutor) -> bool:

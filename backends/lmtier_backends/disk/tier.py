@@ -158,6 +158,7 @@ class DiskTier(Tier):
             unlink=self._unlink,
             unlinking=self._unlinks,
             on_adopted=self._count_adopted,
+            on_evicted=self.announce_removed,
         )
 
     async def start(self) -> None:
@@ -324,6 +325,7 @@ class DiskTier(Tier):
             wave = waiting[: wave_length(waiting, self.capacity_bytes)]
             done, victims = self._index.reserve_prefix([(k, len(v)) for k, v in wave])
             self.stats.evictions += len(victims)
+            self.announce_removed([key for key, _ in victims])
             writes, waiting = waiting[:done], waiting[done:]
             if not writes:
                 # In-flight writes hold the room we need; they always finish, and what
