@@ -31,11 +31,12 @@ from lmtier.results import HostMemory
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier, open_cpu_tier
+from lmtier.storage.events import NodeFeed
 from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
 from lmtier.storage.node import LocalNode, SharesNode
-from lmtier.storage.plugins import open_tiers
+from lmtier.storage.plugins import Service, open_services, open_tiers
 from lmtier.storage.sealing import Sealer
 from lmtier.storage.stats import TierStats
 from lmtier.store import Encoded, Reserved, StoreLayout
@@ -43,7 +44,7 @@ from lmtier.store import Encoded, Reserved, StoreLayout
 if TYPE_CHECKING:
     from lmtier.events.publisher import EventPublisher
 
-__all__ = ["HostView", "LocalStore"]
+__all__ = ["HostView", "LocalStore", "node_feed"]
 
 logger = logging.getLogger(__name__)
 CheckT = TypeVar("CheckT", bound=ChunkCheck)
@@ -78,6 +79,7 @@ class LocalStore:
         self._runtime: Runtime | None = None
         self._manager: StorageManager | None = None
         self._publisher: EventPublisher | None = None
+        self._services: list[Service] = []
 
     # ---- opening -------------------------------------------------------------------
 
@@ -126,14 +128,18 @@ class LocalStore:
             cpu_tier.pool.close()
             raise
         self._manager = manager
-        if config.events.enabled:
-            try:
+        try:
+            if config.events.enabled:
                 self._publisher = self._publish_events(manager)
-            except BaseException:
-                await manager.close(0)
-                self._manager = None
-                cpu_tier.pool.close()
-                raise
+            self._services = await open_services(config, node_feed(manager))
+        except BaseException:
+            if self._publisher is not None:
+                self._publisher.stop()
+                self._publisher = None
+            await manager.close(0)
+            self._manager = None
+            cpu_tier.pool.close()
+            raise
         return chunk_check
 
     def _publish_events(self, manager: StorageManager) -> EventPublisher:
@@ -208,6 +214,12 @@ class LocalStore:
         ``close_flush_s``) and close the tiers, on the loop the store was opened on;
         the pool stays mapped until :meth:`release`."""
         manager = self._manager
+        services, self._services = self._services, []
+        for service in services:  # first: the node leaves the fleet before it stops serving
+            try:
+                await service.close()
+            except Exception:
+                logger.exception("closing %r failed", service)
         try:
             if manager is not None:
                 await manager.close(self.config.close_flush_s if flush_s is None else flush_s)
@@ -343,3 +355,19 @@ class LocalStore:
     def unpin(self, keys: Sequence[ChunkKey] | None) -> dict[str, int]:
         manager, runtime = self._run()
         return runtime.run(manager.unpin(keys))
+
+
+def node_feed(manager: StorageManager) -> NodeFeed:
+    """The events of ``manager``'s tiers and what they hold now (:class:`NodeFeed`)."""
+
+    def held() -> dict[str, list[ChunkKey]]:
+        with manager.lock:
+            tiers = (manager.cpu_tier, *manager.tiers)
+            listed = {tier.name: tier.keys_now() for tier in tiers}
+        return {name: keys for name, keys in listed.items() if keys is not None}
+
+    tiers = {manager.cpu_tier.name: False}
+    for tier in manager.tiers:
+        if tier.properties.write_policy != "none":
+            tiers[tier.name] = tier.properties.shared
+    return NodeFeed(manager.events, held, tiers)

@@ -23,6 +23,7 @@ Example file::
 """
 
 from lmtier.config.events import EventsConfig
+from lmtier.config.fleet import FleetConfig
 from lmtier.config.model import (
     MAX_CHUNK_SIZE,
     CPUTierConfig,
@@ -59,6 +60,7 @@ __all__ = [
     "IntegrityConfig",
     "LMTierConfig",
     "EventsConfig",
+    "FleetConfig",
     "PeerConfig",
     "RedisTierConfig",
     "S3TierConfig",

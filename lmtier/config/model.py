@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar
 from urllib.parse import SplitResult, urlsplit
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from lmtier.chunks.keys import BLOCK_SIZE, HASH_ALGORITHMS, HashAlgorithm
 from lmtier.config.events import EventsConfig
+from lmtier.config.fleet import FleetConfig
 from lmtier.config.peer import PeerConfig
 from lmtier.config.policy import DEFAULT_QUEUE_DEPTH, ConfiguredWritePolicy
 from lmtier.config.secrets import MASK, Secret, SecretURL, redact_url
@@ -439,6 +440,8 @@ class LMTierConfig(_Section):
     """Chunks fetched from (and served to) other nodes' CPU tiers, after disk."""
     events: EventsConfig = Field(default_factory=EventsConfig)
     """KV events of every tier on ZMQ, in vLLM's format (:mod:`lmtier.events`)."""
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    """This node's chunks in the fleet index that ``lmtier route`` asks (docs/fleet.md)."""
     extra_tiers: tuple[ExtraTierConfig, ...] = ()
     """Tiers of third-party backends, after the others, in order."""
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
@@ -474,6 +477,12 @@ class LMTierConfig(_Section):
     def _level(cls, value: Any) -> Any:
         return value.strip().upper() if isinstance(value, str) else value
 
+    @model_validator(mode="after")
+    def _fleet_index(self) -> LMTierConfig:
+        if self.fleet.enabled and self.fleet.index_url is None and self.redis.url is None:
+            raise ValueError("fleet.enabled needs fleet.index_url or redis.url")
+        return self
+
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         """Plain nested dict of every field, for printing (``lmtier config show``).
 
@@ -483,7 +492,7 @@ class LMTierConfig(_Section):
         """
         data: dict[str, Any] = self.model_dump(mode="json")
         if redact:
-            for name in ("redis", "s3", "integrity", "sidecar", "peer"):
+            for name in ("redis", "s3", "integrity", "sidecar", "peer", "fleet"):
                 section = getattr(self, name)
                 for field_name in type(section).model_fields:
                     value = getattr(section, field_name)

@@ -88,6 +88,9 @@ class CPUTier(Tier):
         """The cached keys, least recently used first (a snapshot)."""
         return list(self._entries)
 
+    def keys_now(self) -> list[ChunkKey]:
+        return self.keys()
+
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is cached (no stats, no recency change; any thread)."""
         return key in self._entries

@@ -21,13 +21,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from lmtier.chunks.keys import ChunkKey
 
-__all__ = ["EventKind", "Subscription", "TierEvent", "TierEvents"]
+__all__ = ["EventKind", "NodeFeed", "Subscription", "TierEvent", "TierEvents"]
 
 EventKind = Literal["stored", "removed", "cleared"]
 """``stored``: the tier holds ``keys`` now; ``removed``: it no longer holds ``keys``;
@@ -123,3 +123,17 @@ class TierEvents:
         event = TierEvent(kind, tier, tuple(keys), namespace)
         for subscription in subscribers:
             subscription._put(event)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFeed:
+    """What a service that follows this node's tiers is given (the fleet index's
+    writer, :func:`lmtier.storage.plugins.open_services`): the events from now on;
+    ``held()``, each tier's keys now where the tier can list them without I/O (the
+    CPU tier, the disk's index), to start from and to rebuild after lost events; and
+    ``tiers``, the tiers that hold chunks of their own, each with whether other nodes
+    read it too (Redis, S3) or only this one (CPU, disk; a peer tier holds none)."""
+
+    events: TierEvents
+    held: Callable[[], dict[str, list[ChunkKey]]]
+    tiers: dict[str, bool]

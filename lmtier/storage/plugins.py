@@ -22,31 +22,52 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from lmtier.config import LMTierConfig, PeerConfig
 from lmtier.errors import BackendError, ConfigError
 from lmtier.extras import missing_extra
+from lmtier.storage.events import NodeFeed
 from lmtier.storage.reopening_tier import ReopeningTier
 from lmtier.storage.tier import Tier
 
-__all__ = ["backend_factory", "enabled_sections", "open_tiers", "peer_section"]
+__all__ = [
+    "Service",
+    "backend_factory",
+    "enabled_sections",
+    "open_services",
+    "open_tiers",
+    "peer_section",
+]
 
 logger = logging.getLogger(__name__)
 
 GROUP = "lmtier.backends"
+SERVICES = "lmtier.services"
+"""Entry points of what follows a node's tiers without being one (the fleet index's
+writer): ``async def open_service(section, feed: NodeFeed) -> Service``."""
+
+
+@runtime_checkable
+class Service(Protocol):
+    """Something a node runs beside its tiers, fed by their events (:data:`SERVICES`)."""
+
+    async def close(self) -> None:
+        """Stop, and withdraw what it published."""
+
 
 TierFactory = Callable[[Any], Awaitable[Tier]]
 
 
-def backend_factory(name: str) -> TierFactory:
-    """The registered factory of backend ``name``; ConfigError naming what is installed,
+def backend_factory(name: str, group: str = GROUP) -> Any:
+    """The registered factory of backend ``name`` (or of service ``name``, with
+    ``group`` :data:`SERVICES`); ConfigError naming what is installed,
     MissingExtraError naming the extra to install when its client library is not."""
-    found = entry_points(group=GROUP)
+    found = entry_points(group=group)
     for entry in found:
         if entry.name == name:
             try:
-                factory: TierFactory = entry.load()
+                factory: Any = entry.load()
             except ModuleNotFoundError as exc:  # redis-py or boto3 not installed
                 missing = missing_extra(exc)
                 if missing is None:
@@ -103,6 +124,29 @@ async def open_tiers(config: LMTierConfig) -> list[Tier]:
             await tier.close()
         raise
     return tiers
+
+
+async def open_services(config: LMTierConfig, feed: NodeFeed) -> list[Service]:
+    """Start the enabled services (the fleet index's writer, ``fleet.enabled``), each
+    given its section and ``feed``; on a failure, close those already started."""
+    sections: list[tuple[str, Any]] = []
+    if config.fleet.enabled:
+        fleet = config.fleet.resolved(config.redis.url)
+        if fleet.index_url is None:
+            raise ConfigError("fleet.enabled needs fleet.index_url or redis.url", key="fleet")
+        sections.append(("fleet", fleet))
+    services: list[Service] = []
+    try:
+        for name, section in sections:
+            service = await backend_factory(name, SERVICES)(section, feed)
+            if not isinstance(service, Service):
+                raise ConfigError(f"service {name!r} returned {type(service).__name__}")
+            services.append(service)
+    except BaseException:
+        for service in services:
+            await service.close()
+        raise
+    return services
 
 
 def peer_section(config: LMTierConfig, *, directory: bool = True) -> PeerConfig:

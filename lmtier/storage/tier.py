@@ -143,6 +143,12 @@ class Tier(ABC):
     """Where the tier tells of chunks it drops on its own (its evictions, deletes of
     corrupt chunks): set by the StorageManager (:mod:`lmtier.storage.events`)."""
 
+    def keys_now(self) -> list[ChunkKey] | None:
+        """Every key the tier holds, from in-process state (a snapshot), or None (the
+        default) when it cannot list them without I/O. What rebuilds a view of the
+        tier that lost events (:mod:`lmtier.storage.events`)."""
+        return None
+
     def announce_removed(self, keys: Sequence[ChunkKey]) -> None:
         """Tell the event feed that this tier no longer holds ``keys`` (a backend calls
         it for chunks it evicts by itself). Any thread; cheap when nobody listens."""

@@ -39,6 +39,7 @@ AREAS = {
     "apps",
     # below those: their own subpackages
     "disk",
+    "fleet",
     "redis",
     "s3",
     "peer",

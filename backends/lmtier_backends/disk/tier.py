@@ -228,6 +228,9 @@ class DiskTier(Tier):
     async def contains(self, keys: Sequence[ChunkKey]) -> int:
         return self.contains_now(keys)
 
+    def keys_now(self) -> list[ChunkKey]:
+        return self._index.keys()  # what this process knows of (not files it never saw)
+
     def contains_now(self, keys: Sequence[ChunkKey]) -> int:
         # Any thread may ask: membership tests are atomic under the GIL, and adopting
         # takes the index's lock. Where the index stops, one stat looks for a file

@@ -25,31 +25,22 @@ Every operation is one Lua script per batch (one round trip, atomic):
 * **withdraw**: compare-and-delete: only the named owner's entries go, so a node that
   evicted a chunk never removes another node's claim.
 
-Failures: redis-py's exceptions become :class:`~lmtier.errors.BackendUnavailable` or
-:class:`~lmtier.errors.BackendTimeout`. The connection is made on first use and
-remade after a failure, so a directory whose Redis is down at start costs misses, not
-a failed open. The URL's password never reaches a message.
+Failures, connections and scripts are :class:`~lmtier_backends.redis.scripted.ScriptedRedis`'s:
+a directory whose Redis is down at start costs misses, not a failed open.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import struct
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from lmtier.chunks.keys import ChunkKey
-from lmtier.config.secrets import SecretURL, redact_url
-from lmtier.errors import BackendTimeout, BackendUnavailable
-from lmtier_backends.redis.client import Route, open_route
+from lmtier.config.secrets import SecretURL
+from lmtier_backends.redis.scripted import ScriptedRedis
 
 __all__ = ["BATCH_KEYS", "Owner", "PeerDirectory"]
 
-logger = logging.getLogger(__name__)
 
 BATCH_KEYS = 1024
 """Keys per script call: large enough to amortise the round trip, small enough not to
@@ -137,17 +128,15 @@ class PeerDirectory:
         timeout_s: float = 1.0,
         max_connections: int = 4,
     ) -> None:
-        self._url = url if isinstance(url, SecretURL) else SecretURL(url)
         base = f"{key_prefix}{{peer}}:"
         self._node_prefix = f"{base}node:"
         self._chunk_prefix = f"{base}chunk:".encode()
         self.ttl_s = ttl_s
+        self._redis = ScriptedRedis(
+            url, what="peer directory", timeout_s=timeout_s, max_connections=max_connections
+        )
         self.timeout_s = timeout_s
-        self._max_connections = max_connections
-        self._route: Route | None = None
-        self._scripts: dict[str, Any] = {}
-        self._opening: asyncio.Lock | None = None
-        self.where = f"peer directory at {redact_url(self._url.reveal())}"
+        self.where = self._redis.where
 
     def __repr__(self) -> str:
         return f"PeerDirectory({self.where})"
@@ -205,9 +194,9 @@ class PeerDirectory:
 
     async def heartbeat(self, node_id: str, address: str) -> None:
         """Announce (or keep alive) ``node_id`` at ``address`` for ``ttl_s``."""
-        route = await self._connected()
+        route = await self._redis.connected()
         ttl_ms = int(self.ttl_s * 1000)
-        await self._call(route.client.set(self.node_name(node_id), address, px=ttl_ms))
+        await self._redis.call(route.client.set(self.node_name(node_id), address, px=ttl_ms))
 
     async def leave(self, node_id: str, address: str) -> None:
         """Remove ``node_id``'s heartbeat if it still names ``address``: its chunks stop
@@ -216,58 +205,10 @@ class PeerDirectory:
 
     async def close(self) -> None:
         """Close the connections; idempotent."""
-        route, self._route = self._route, None
-        self._scripts.clear()
-        if route is not None:
-            await route.aclose()
-
-    # ---- plumbing ------------------------------------------------------------------
-
-    async def _connected(self) -> Route:
-        if self._route is not None:
-            return self._route
-        if self._opening is None:
-            self._opening = asyncio.Lock()
-        async with self._opening:
-            if self._route is None:
-                self._route = await self._call(
-                    open_route(
-                        self._url.reveal(),
-                        cluster=None,
-                        max_connections=self._max_connections,
-                        timeout_s=self.timeout_s,
-                    )
-                )
-        return self._route
+        await self._redis.close()
 
     async def _run(self, name: str, source: str, keys: list[Any], args: list[Any]) -> Any:
-        """Run script ``name`` (EVALSHA, loading it on NOSCRIPT) on the directory."""
-        route = await self._connected()
-        script = self._scripts.get(name)
-        if script is None:
-            script = self._scripts[name] = route.client.register_script(source)
-        return await self._call(script(keys=keys, args=args))
-
-    async def _call(self, call: Any) -> Any:
-        """Await a redis-py call; its failures as BackendError, and the connection
-        dropped so that the next call reconnects."""
-        try:
-            return await call
-        except (RedisTimeoutError, asyncio.TimeoutError) as exc:
-            await self._drop()
-            raise BackendTimeout(f"{self.where}: timed out") from exc
-        except (RedisError, OSError) as exc:
-            await self._drop()
-            raise BackendUnavailable(f"{self.where}: {type(exc).__name__}") from exc
-
-    async def _drop(self) -> None:
-        route, self._route = self._route, None
-        self._scripts.clear()
-        if route is not None:
-            try:
-                await route.aclose()
-            except (RedisError, OSError) as exc:  # closing a broken connection
-                logger.debug("%s: close after a failure: %s", self.where, exc)
+        return await self._redis.run(name, source, keys, args)
 
 
 def _text(value: Any) -> str:
