@@ -76,6 +76,11 @@ class FleetConfig(Section):
             raise ValueError("interval_s must be at most half of ttl_s")
         return self
 
+    def check_index(self) -> None:
+        """ValueError when the section is on without an index to write to."""
+        if self.enabled and self.index_url is None:
+            raise ValueError("fleet.enabled needs fleet.index_url or redis.url")
+
     def resolved(self, redis_url: Any) -> FleetConfig:
         """This section with ``index_url`` from the Redis tier's URL where it has none."""
         if self.index_url is not None or redis_url is None:

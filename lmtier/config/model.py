@@ -479,8 +479,7 @@ class LMTierConfig(_Section):
 
     @model_validator(mode="after")
     def _fleet_index(self) -> LMTierConfig:
-        if self.fleet.enabled and self.fleet.index_url is None and self.redis.url is None:
-            raise ValueError("fleet.enabled needs fleet.index_url or redis.url")
+        self.fleet.resolved(self.redis.url).check_index()
         return self
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
@@ -491,13 +490,11 @@ class LMTierConfig(_Section):
         :func:`lmtier.config.config_from_dict`.
         """
         data: dict[str, Any] = self.model_dump(mode="json")
-        if redact:
-            for name in ("redis", "s3", "integrity", "sidecar", "peer", "fleet"):
-                section = getattr(self, name)
-                for field_name in type(section).model_fields:
-                    value = getattr(section, field_name)
-                    if isinstance(value, SecretURL):
-                        data[name][field_name] = str(value)
-                    elif isinstance(value, Secret):
-                        data[name][field_name] = MASK
+        sections = [(n, s) for n, s in self if isinstance(s, _Section)] if redact else []
+        for name, section in sections:  # every section's secrets, whichever holds one
+            for field_name, value in section:
+                if isinstance(value, SecretURL):
+                    data[name][field_name] = str(value)
+                elif isinstance(value, Secret):
+                    data[name][field_name] = MASK
         return data
