@@ -39,6 +39,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
     "cuda": ("cupy",),
     "events": ("zmq",),
+    "route": ("aiohttp",),
     "cluster": ("cryptography",),
 }
 """Each extra of pyproject.toml and the top-level modules it installs that lmtier

@@ -36,12 +36,15 @@ class Server:
     """A `lmtier demo serve --port 0` process in its own session (so that no process
     it might leave behind can hide), with its disk tier under ``cache_dir``."""
 
-    def __init__(self, tmp_path: Path, cache_dir: Path, *args: str) -> None:
+    def __init__(
+        self, tmp_path: Path, cache_dir: Path, *args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.log = tmp_path / f"server-{os.urandom(4).hex()}.log"
         env = {
             **os.environ,
             "LMTIER_CHUNK_SIZE": str(CHUNK),
             "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+            **(env or {}),
         }
         command = [sys.executable, "-m", "lmtier.cli", "demo", "serve", "--port", "0"]
         command += ["--cache-dir", str(cache_dir), "--cpu-capacity", "256MiB", *args]

@@ -40,6 +40,7 @@ AREAS = {
     # below those: their own subpackages
     "disk",
     "fleet",
+    "route",
     "redis",
     "s3",
     "peer",
