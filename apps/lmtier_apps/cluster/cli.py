@@ -10,6 +10,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,6 +150,15 @@ def _add_demo(actions: Any) -> None:
     demo.add_argument("--chunk-size", type=_positive, help="the cluster's (default 256)")
     demo.add_argument(
         "--prompt-tokens", type=_positive, default=None, help="prompt length (default 1537)"
+    )
+    demo.add_argument(
+        "--router",
+        metavar="URL",
+        help="`lmtier route` in front of the engines: conversations through it, round-robin "
+        "then KV-aware (default with --dir: the cluster's router)",
+    )
+    demo.add_argument(
+        "--router-api-key-file", metavar="F", help="the router's API key (its first line)"
     )
     demo.add_argument("--json", action="store_true", help="one JSON object")
     demo.add_argument("--plot", metavar="FILE", help="also write a PNG (needs matplotlib)")
@@ -296,11 +306,27 @@ def _demo(args: argparse.Namespace, config: LMTierConfig) -> int:
     if problem is not None:  # before the run, not after it
         print(f"lmtier cluster demo: error: {problem}", file=sys.stderr)
         return 2
+    from lmtier_apps.cluster.routing import print_routing, run_routing  # noqa: PLC0415
+
     result = _story(args).run()
+    router = args.router or (None if args.engine else _attached(args).state.router_url)
+    key = None
+    if args.router_api_key_file:
+        key = Path(args.router_api_key_file).read_text().splitlines()[0].strip()
+    routed = run_routing(router.rstrip("/"), api_key=key) if router else None
     if args.json:
-        print(json.dumps(report.story_json(result)))
+        out = report.story_json(result)
+        if routed is not None:
+            out["routing"] = {
+                "router": routed.router_url,
+                "rows": [asdict(row) for row in routed.rows],
+                "summary": routed.summary(),
+            }
+        print(json.dumps(out))
     else:
         report.print_table(result, sys.stdout)
+        if routed is not None:
+            print_routing(routed, sys.stdout)
     if args.plot:
         report.write_plot(result, args.plot)
         print(f"lmtier cluster demo: wrote {args.plot}", file=sys.stderr)

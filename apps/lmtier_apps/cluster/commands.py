@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "ready_url",
     "redis_command",
+    "router_command",
     "s3_command",
     "sidecar_command",
     "sidecar_env",
@@ -38,6 +39,8 @@ LMTIER = (sys.executable, "-m", "lmtier.cli")
 """The ``lmtier`` command, run by this interpreter (so a virtualenv is kept)."""
 ENGINE_READY = "lmtier demo serve: listening on "
 """The start of ``lmtier demo serve``'s ready line (``serve.READY``; a test checks)."""
+ROUTER_READY = "lmtier route: listening on "
+"""The start of ``lmtier route``'s ready line (``route.run.READY``)."""
 
 
 def free_port() -> int:
@@ -109,6 +112,7 @@ def sidecar_env(
     return {
         "LMTIER_PEER__LISTEN": f"{HOST}:{peer_port}",
         "LMTIER_PEER__NODE_ID": node_name,
+        "LMTIER_FLEET__NODE_ID": node_name,
         "LMTIER_DISK__PATH": str(disk_path),
         "LMTIER_REDIS__URL": redis_url,
         "LMTIER_S3__ENDPOINT_URL": s3_endpoint,
@@ -129,12 +133,24 @@ def engine_command(config_file: Path, sidecar: str, token_file: Path) -> list[st
     ]
 
 
-def ready_url(log: Path, offset: int) -> str | None:
-    """The URL of the engine's ready line in ``log`` (read from ``offset``: a log of
-    an earlier cluster in the same directory holds older lines), or None yet."""
+def router_command(config_file: Path, engines: Mapping[str, str]) -> list[str]:
+    """``lmtier route`` on a free loopback port in front of ``engines`` (node name ->
+    URL), keyed as the engines key (their config; the demo model); the index's Redis
+    comes from the environment (its password never on a command line)."""
+    command = [*LMTIER, "--config", str(config_file), "route", "--port", "0"]
+    command += ["--health-interval", "1"]
+    for name, url in engines.items():
+        command += ["--engine", f"{name}={url}"]
+    return command
+
+
+def ready_url(log: Path, offset: int, ready: str = ENGINE_READY) -> str | None:
+    """The URL of the ready line ``ready`` (an engine's, the router's) in ``log``
+    (read from ``offset``: a log of an earlier cluster in the same directory holds
+    older lines), or None yet."""
     with log.open("rb") as stream:
         stream.seek(offset)
         for line in stream.read().decode(errors="replace").splitlines():
-            if line.startswith(ENGINE_READY):
-                return line[len(ENGINE_READY) :].strip()
+            if line.startswith(ready):
+                return line[len(ready) :].strip()
     return None

@@ -216,6 +216,9 @@ def cluster_status(
         parts.append((node.sidecar, f"{node.name} sidecar", node.socket, sidecar_probe(node)))
         url = node.engine_url or ""
         parts.append((node.engine, f"{node.name} engine", url, engine_probe(url)))
+    if state.router is not None:
+        url = state.router_url or ""
+        parts.append((state.router, "router", url, engine_probe(url)))
     out = []
     for info, name, address, probe in parts:
         running = info is not None and is_running(info, children)

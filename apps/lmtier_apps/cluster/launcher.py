@@ -56,7 +56,7 @@ CONFIG_FILES = {
 }
 """The config files of a node's sidecar and engine, relative to the repository root:
 the ones docker-compose.yml mounts (a test compares the two)."""
-CLUSTER_EXTRAS = ("grpc", "serve", "hf", "redis", "s3", "cluster")
+CLUSTER_EXTRAS = ("grpc", "serve", "hf", "redis", "s3", "route", "cluster")
 """What the processes import: the sidecars (grpc; their Redis and S3 tiers), the
 engines (serve, hf) and the launcher's probes (redis, s3)."""
 START_TIMEOUT_S = 60.0
@@ -183,6 +183,7 @@ class LocalCluster:
             self._start_s3()
             self._start_sidecars(deploy_dir / CONFIG_FILES["sidecar"])
             self._start_engines(deploy_dir / CONFIG_FILES["engine"])
+            self._start_router(deploy_dir / CONFIG_FILES["engine"])
         except BaseException:
             self.down()
             forget_state(self.directory)
@@ -229,8 +230,15 @@ class LocalCluster:
         self._children[process.pid] = process
         return process, info
 
-    def _wait(self, probe: health.Probe, what: str, process: subprocess.Popen[bytes]) -> None:
-        timeout_s = self.start_timeout_s * (3 if "engine" in what else 1)
+    def _wait(
+        self,
+        probe: health.Probe,
+        what: str,
+        process: subprocess.Popen[bytes],
+        *,
+        slow: bool = False,
+    ) -> None:
+        timeout_s = self.start_timeout_s * (3 if slow or "engine" in what else 1)
         log = next(info.log for info in self.state.processes() if info.pid == process.pid)
         health.wait_until(probe, what=what, timeout_s=timeout_s, exited=process.poll, log=log)
 
@@ -346,6 +354,31 @@ class LocalCluster:
             state.nodes[index] = replace(state.nodes[index], engine_url=found[0])
             state.save()
 
+    def _start_router(self, config_file: Path) -> None:
+        """``lmtier route`` in front of the engines, the fleet index in the cluster's
+        Redis (which every sidecar keeps: ``fleet`` in sidecar.yaml)."""
+        state = self.state
+        engines = {node.name: node.engine_url for node in state.nodes if node.engine_url}
+        log = self.directory / "logs" / "router.log"
+        offset = log.stat().st_size if log.exists() else 0
+        command = commands.router_command(config_file, engines)
+        env = {"LMTIER_FLEET__INDEX_URL": self.redis_url}
+        process, info = self._spawn("router", "router", command, env)
+        state.router = info
+        state.save()
+        found: list[str] = []
+
+        def probe() -> str | None:
+            url = commands.ready_url(log, offset, commands.ROUTER_READY)
+            if url is None:
+                return "no ready line yet"
+            found.append(url)
+            return None
+
+        self._wait(probe, "the router", process, slow=True)  # torch, the demo model
+        state.router_url = found[0]
+        state.save()
+
     # --- stop --------------------------------------------------------------------------
 
     def down(self, *, clean: bool = False) -> list[str]:
@@ -354,8 +387,10 @@ class LocalCluster:
         if self._state is None:
             return []
         state = self._state
+        clients = [n.engine for n in state.nodes if n.engine is not None]
+        clients += [state.router] if state.router is not None else []
         stages = [
-            ([n.engine for n in state.nodes if n.engine is not None], STOP_TIMEOUT_S["engine"]),
+            (clients, STOP_TIMEOUT_S["engine"]),
             ([n.sidecar for n in state.nodes], STOP_TIMEOUT_S["sidecar"]),
             ([p for p in (state.s3, state.redis) if p is not None], STOP_TIMEOUT_S["shared"]),
         ]

@@ -152,17 +152,22 @@ class ClusterState:
     redis: ProcessInfo | None = None
     s3: ProcessInfo | None = None
     nodes: list[NodeInfo] = field(default_factory=list)
+    router: ProcessInfo | None = None
+    """``lmtier route`` in front of the engines (docs/fleet.md)."""
+    router_url: str | None = None
     sidecar_env: dict[str, str] = field(default_factory=dict)
     """More variables every sidecar got (``LocalCluster(sidecar_env=...)``: no secrets),
     so that a sidecar restarted by another process gets them too."""
     schema: str = SCHEMA
 
     def processes(self) -> list[ProcessInfo]:
-        """Every process, in the order to stop them: engines (the clients), then the
-        sidecars (they drain their writes to Redis and S3), then S3 and Redis."""
+        """Every process, in the order to stop them: the router and the engines (the
+        clients), then the sidecars (they drain their writes to Redis and S3), then S3
+        and Redis."""
         engines = [node.engine for node in self.nodes if node.engine is not None]
         shared = [info for info in (self.s3, self.redis) if info is not None]
-        return [*engines, *(node.sidecar for node in self.nodes), *shared]
+        router = [self.router] if self.router is not None else []
+        return [*router, *engines, *(node.sidecar for node in self.nodes), *shared]
 
     def redis_url(self, cluster_secrets: ClusterSecrets) -> str:
         """The Redis URL with the password, for clients that connect."""
@@ -207,4 +212,5 @@ def _parse(data: dict[str, Any]) -> ClusterState:
         engine = process(node.pop("engine"))
         nodes.append(NodeInfo(**node, sidecar=sidecar, engine=engine))
     redis, s3 = process(data.pop("redis")), process(data.pop("s3"))
-    return ClusterState(**data, redis=redis, s3=s3, nodes=nodes)
+    router = process(data.pop("router", None))
+    return ClusterState(**data, redis=redis, s3=s3, nodes=nodes, router=router)

@@ -6,7 +6,9 @@ chosen (:mod:`.policy`) and the request is sent there as it came (unknown fields
 included), with the engines' key instead of the client's. The answer goes back as it
 comes: a stream (server-sent events) piece by piece, any other answer whole. The
 response carries ``x-lmtier-route``: the engine chosen, the policy, the cached
-tokens by tier that decided it, the engine's load, and whether it was a retry.
+tokens by tier that decided it, the engine's load, and whether it was a retry. A
+request may name its own policy in ``x-lmtier-policy`` (to compare policies on one
+router).
 
 Failures: an engine that cannot be reached, or answers 5xx, before the first byte
 of its answer reached the client, is marked down and the request goes to the next
@@ -37,17 +39,29 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from lmtier.chunks.keys import ChunkKey
 from lmtier.errors import BackendError
 from lmtier_apps.route.engines import Engine, Engines
-from lmtier_apps.route.policy import Candidate, Choice, Holding, Recent, Turns, choose, with_recent
+from lmtier_apps.route.policy import (
+    POLICIES,
+    Candidate,
+    Choice,
+    Holding,
+    Recent,
+    Turns,
+    choose,
+    with_recent,
+)
 from lmtier_apps.route.prompts import Prompt, PromptError, RouteModel
 from lmtier_backends.fleet.index import FleetIndex, prefixes
 
-__all__ = ["MAX_BODY_BYTES", "ROUTE_HEADER", "Router", "RouterSettings"]
+__all__ = ["MAX_BODY_BYTES", "POLICY_HEADER", "ROUTE_HEADER", "Router", "RouterSettings"]
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 """The largest request body the router reads (as ``lmtier demo serve``)."""
 ROUTE_HEADER = "x-lmtier-route"
+POLICY_HEADER = "x-lmtier-policy"
+"""A request's own policy (another than the router's), to measure one against another
+on one router."""
 _HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "authorization"}
 )
@@ -62,6 +76,7 @@ class _Routed:
     keys: list[ChunkKey]
     choice: Choice
     candidates: list[Candidate]
+    policy: str
 
 
 class RouterSettings:
@@ -187,9 +202,14 @@ class Router:
             keys = await loop.run_in_executor(None, self.model.keys, prompt)
         except PromptError as exc:
             return _error(400, str(exc), "invalid_request_error")
-        candidates = await self._candidates(keys)
+        policy = request.headers.get(POLICY_HEADER, self.settings.policy)
+        if policy not in POLICIES:
+            return _error(
+                400, f"{POLICY_HEADER} must be one of {list(POLICIES)}", "invalid_request_error"
+            )
+        candidates = await self._candidates(keys, policy)
         choice = choose(
-            self.settings.policy,
+            policy,
             candidates,
             self.turns,
             chunk_size=self.model.chunk_size,
@@ -199,12 +219,12 @@ class Router:
         if choice is None:
             self.metrics.failures.inc()
             return _error(503, "no engine is healthy", "unavailable")
-        return await self._send(request, body, _Routed(prompt, keys, choice, candidates))
+        return await self._send(request, body, _Routed(prompt, keys, choice, candidates, policy))
 
-    async def _candidates(self, keys: list[ChunkKey]) -> list[Candidate]:
+    async def _candidates(self, keys: list[ChunkKey], policy: str) -> list[Candidate]:
         """The healthy engines, each with what its node holds of ``keys``."""
         healthy = self.engines.healthy()
-        found, shared = await self._holdings(keys)
+        found, shared = await self._holdings(keys, policy)
         return [
             Candidate(
                 engine.name,
@@ -215,8 +235,10 @@ class Router:
             for engine in healthy
         ]
 
-    async def _holdings(self, keys: list[ChunkKey]) -> tuple[dict[str, Holding], Holding]:
-        if self.index is None or not keys or self.settings.policy != "kv-aware":
+    async def _holdings(
+        self, keys: list[ChunkKey], policy: str
+    ) -> tuple[dict[str, Holding], Holding]:
+        if self.index is None or not keys or policy != "kv-aware":
             return {}, Holding()
         try:
             live, owners = await asyncio.wait_for(
@@ -261,7 +283,7 @@ class Router:
             retried = True
             self.metrics.retries.inc()
             current = choose(
-                self.settings.policy,
+                routed.policy,
                 candidates,
                 self.turns,
                 chunk_size=self.model.chunk_size,

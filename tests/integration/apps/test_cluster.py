@@ -43,6 +43,7 @@ from lmtier_apps.cluster.demo import (
     flush_redis,
 )
 from lmtier_apps.cluster.launcher import CONFIG_FILES, LocalCluster
+from lmtier_apps.cluster.routing import run_routing
 from lmtier_apps.cluster.state import ClusterError, ClusterState, ProcessInfo, read_state
 from lmtier_apps.cluster.trust import SERVER_NAME
 from lmtier_apps.cluster.writes import scrape_tier_metrics
@@ -194,6 +195,25 @@ def _peer_only_cache(cluster: LocalCluster, spec: KVSpec, secret: str | None = N
         },
     )
     return LMTier.open(config, kv=spec, model_id="cluster/peer")
+
+
+def test_the_router_sends_each_turn_where_its_prefix_is(cluster: LocalCluster) -> None:
+    state = cluster.state
+    assert state.router is not None and state.router_url
+    names = {node.name for node in state.nodes}
+    routed = run_routing(state.router_url, conversations=2, turns=3)
+    rows = [row for row in routed.rows if row.policy == "kv-aware"]
+    assert {row.node for row in rows} <= names
+    for conversation in (0, 1):
+        turns = [row for row in rows if row.conversation == conversation]
+        assert len({row.node for row in turns}) == 1, f"conversation {conversation}: {turns}"
+        for later in turns[1:]:
+            assert later.why.get("cpu", 0) > 0, later  # the index knew where it was
+            assert later.served.get("cpu", 0) > 0, later  # and that node's memory served it
+    summary = routed.summary()
+    assert summary["kv-aware"]["local_hit_ratio"] >= summary["round-robin"]["local_hit_ratio"]
+    parts = {part.name: part for part in cluster.status()}
+    assert parts["router"].running and parts["router"].problem is None
 
 
 def test_the_peer_tier_serves_bit_exact_and_only_to_the_node_secret(

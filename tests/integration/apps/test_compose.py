@@ -39,6 +39,7 @@ CONFIG_DIR = PurePosixPath("/etc/lmtier")
 
 # Every service, by kind. A new service must be added here, and so be classified.
 LONG_RUNNING = {
+    "router",
     "redis",
     "redis-node-1",
     "redis-node-2",
