@@ -32,15 +32,55 @@ logits can differ in the last bits (~1e-6 here), as in `lmtier demo`."""
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class Server:
-    """A `lmtier demo serve --port 0` process in its own session (so that no process
-    it might leave behind can hide), with its disk tier under ``cache_dir``."""
+class ReadyProcess:
+    """A `lmtier` command that prints ``ready`` and its URL on stdout once it serves,
+    in its own session (so that no process it might leave behind can hide), its
+    stderr in ``log``."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path, ready: str) -> None:
+        self.log = log
+        with self.log.open("w") as stream:
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=stream,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()  # blocks until ready, or EOF if it died
+        if not line.startswith(ready):
+            self.process.kill()
+            self.process.wait()
+            pytest.fail(f"no ready line ({line!r}); log:\n{self.log.read_text()[-6000:]}")
+        self.url = line[len(ready) :].strip()
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        """Send ``sig``; the exit status, once no process of the session is left."""
+        self.process.send_signal(sig)
+        code = self.process.wait(timeout=HANG_S)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(self.process.pid, 0)  # nothing left in the process's session
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+class Server(ReadyProcess):
+    """A `lmtier demo serve --port 0` process with its disk tier under ``cache_dir``."""
 
     def __init__(
         self, tmp_path: Path, cache_dir: Path, *args: str, env: dict[str, str] | None = None
     ) -> None:
-        self.log = tmp_path / f"server-{os.urandom(4).hex()}.log"
-        env = {
+        environ = {
             **os.environ,
             "LMTIER_CHUNK_SIZE": str(CHUNK),
             "XDG_CACHE_HOME": str(tmp_path / "xdg"),
@@ -48,22 +88,8 @@ class Server:
         }
         command = [sys.executable, "-m", "lmtier.cli", "demo", "serve", "--port", "0"]
         command += ["--cache-dir", str(cache_dir), "--cpu-capacity", "256MiB", *args]
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()  # blocks until ready, or EOF if it died
-        if not line.startswith(READY):
-            self.process.kill()
-            self.process.wait()
-            pytest.fail(f"no ready line ({line!r}); server log:\n{self.log.read_text()[-6000:]}")
-        self.url = line[len(READY) :].strip()
+        log = tmp_path / f"server-{os.urandom(4).hex()}.log"
+        super().__init__(command, environ, log, READY)
 
     def request(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         data = json.dumps(body).encode() if body is not None else None
@@ -92,20 +118,3 @@ class Server:
         events = text[:-2].split("\n\n")
         assert all(event.startswith("data: ") for event in events), text
         return [event.removeprefix("data: ") for event in events]
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
-        """Send ``sig``; the exit status, once no process of the session is left."""
-        self.process.send_signal(sig)
-        code = self.process.wait(timeout=HANG_S)
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-        with pytest.raises(ProcessLookupError):
-            os.killpg(self.process.pid, 0)  # nothing left in the server's session
-        return code
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()

@@ -5,43 +5,28 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from support.demo_server import CHUNK, HANG_S, OPENER
+from support.demo_server import CHUNK, HANG_S, OPENER, ReadyProcess
 
 READY = "lmtier route: listening on "
 
 
-class RouterProcess:
+class RouterProcess(ReadyProcess):
     """``lmtier route --port 0`` in front of ``engines`` (name -> URL)."""
 
     def __init__(self, tmp_path: Path, engines: dict[str, str], *args: str) -> None:
-        self.log = tmp_path / f"router-{os.urandom(4).hex()}.log"
         command = [sys.executable, "-m", "lmtier.cli", "route", "--port", "0"]
         command += ["--chunk-size", str(CHUNK), "--health-interval", "0.2", *args]
         for name, url in engines.items():
             command += ["--engine", f"{name}={url}"]
         env = {**os.environ, "LMTIER_CHUNK_SIZE": str(CHUNK)}
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                start_new_session=True,
-            )  # fmt: skip
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line.startswith(READY):
-            self.process.kill()
-            self.process.wait()
-            pytest.fail(f"no ready line ({line!r}); router log:\n{self.log.read_text()[-6000:]}")
-        self.url = line[len(READY) :].strip()
+        log = tmp_path / f"router-{os.urandom(4).hex()}.log"
+        super().__init__(command, env, log, READY)
 
     def request(
         self,
@@ -50,11 +35,8 @@ class RouterProcess:
         headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path,
-            data=data,
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        request = urllib.request.Request(self.url + path, data=data, headers=sent)
         try:
             with OPENER.open(request, timeout=HANG_S) as response:
                 return int(response.status), dict(response.headers), bytes(response.read())
@@ -67,17 +49,3 @@ class RouterProcess:
         status, headers, raw = self.request("/v1/completions", body)
         assert status == 200, raw.decode()
         return json.loads(headers["x-lmtier-route"]), json.loads(raw)
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=HANG_S)
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-        return code
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()

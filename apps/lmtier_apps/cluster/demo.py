@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmtier_apps.cluster.health import LOCAL_OPENER, http_problem
 from lmtier_apps.cluster.state import ClusterError
@@ -55,6 +56,7 @@ __all__ = [
     "Story",
     "StoryResult",
     "flush_redis",
+    "post_completion",
 ]
 
 DEFAULT_PROMPT_TOKENS = 1537
@@ -100,21 +102,10 @@ class EngineClient:
         body: dict[str, object] = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
-        request = urllib.request.Request(  # noqa: S310 - http(s): Node checks
-            f"{self.node.engine_url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
         where = f"node {self.node.name}'s engine ({self.node.engine_url})"
-        try:
-            with LOCAL_OPENER.open(request, timeout=self.timeout_s) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            with exc:  # its socket, closed now rather than by the garbage collector
-                detail = exc.read().decode(errors="replace")[:300]
-            raise ClusterError(f"{where} answered HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ClusterError(f"{where} failed: {getattr(exc, 'reason', exc)}") from None
+        _, reply = post_completion(
+            self.node.engine_url, body, where=where, timeout_s=self.timeout_s
+        )
         usage = reply.get("usage") or {}
         lmtier = usage.get("lmtier") or {}
         details = usage.get("prompt_tokens_details") or {}
@@ -126,6 +117,34 @@ class EngineClient:
             ttft_ms=float(lmtier.get("ttft_ms", 0.0)),
             max_logit_diff=None if diff is None else float(diff),
         )
+
+
+def post_completion(
+    url: str,
+    body: dict[str, object],
+    *,
+    where: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """``POST <url>/v1/completions`` of ``body``: the response's headers (names in
+    lower case) and JSON;
+    ClusterError naming ``where`` (the status and the start of the body) otherwise."""
+    request = urllib.request.Request(  # noqa: S310 - http(s): the callers check
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with LOCAL_OPENER.open(request, timeout=timeout_s) as response:
+            headers = {name.lower(): value for name, value in response.headers.items()}
+            return headers, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        with exc:  # its socket, closed now rather than by the garbage collector
+            detail = exc.read().decode(errors="replace")[:300]
+        raise ClusterError(f"{where} answered HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ClusterError(f"{where} failed: {getattr(exc, 'reason', exc)}") from None
 
 
 @dataclass(slots=True)

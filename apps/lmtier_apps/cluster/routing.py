@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import json
 import secrets
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmtier_apps.cluster.health import LOCAL_OPENER
-from lmtier_apps.cluster.state import ClusterError
+from lmtier_apps.cluster.demo import post_completion
 
 __all__ = ["POLICIES", "RoutedRow", "RoutingResult", "print_routing", "run_routing"]
 
 POLICIES = ("round-robin", "kv-aware")
-REQUEST_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +66,7 @@ def run_routing(
     router_url: str, *, conversations: int = 4, turns: int = 3, api_key: str | None = None
 ) -> RoutingResult:
     """The conversations under each policy (module docstring); ClusterError when the
-    router refuses a request."""
+    router refuses a request (:func:`~.demo.post_completion`)."""
     result = RoutingResult(router_url)
     run = secrets.token_hex(4)
     for policy in POLICIES:
@@ -106,22 +102,11 @@ def _request(
     key: str | None,
 ) -> tuple[RoutedRow, str]:
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "cache_salt": salt}
-    headers = {"Content-Type": "application/json", "x-lmtier-policy": policy}
+    headers = {"x-lmtier-policy": policy}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(  # noqa: S310 - the router's http URL
-        f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers
-    )
-    try:
-        with LOCAL_OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
-            route: dict[str, Any] = json.loads(response.headers.get("x-lmtier-route") or "{}")
-            reply = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            detail = exc.read().decode(errors="replace")[:300]
-        raise ClusterError(f"the router ({url}) answered HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ClusterError(f"the router ({url}) failed: {getattr(exc, 'reason', exc)}") from None
+    answered, reply = post_completion(url, body, where=f"the router ({url})", headers=headers)
+    route: dict[str, Any] = json.loads(answered.get("x-lmtier-route") or "{}")
     usage = reply.get("usage") or {}
     lmtier = usage.get("lmtier") or {}
     row = RoutedRow(
