@@ -21,14 +21,12 @@ manager's lock, and never waits for I/O.
 
 Bad arguments are typed lmtier errors that say what to pass (InvalidRequestError
 and its InvalidTokensError and InvalidKVError, ConfigError for the cache's own
-settings, CacheClosedError after close); they change nothing. A model id (or a
-revision, a weights fingerprint) is required: two unnamed models would share KV.
+settings, CacheClosedError after close); they change nothing.
 
-Engine integrations that already have chunk keys (the vLLM connector keys chunks
-by vLLM's block hashes) use the key-level methods: :meth:`LMTier.lookup_keys`,
-:meth:`LMTier.load_keys`, :meth:`LMTier.acquire_slabs` and :meth:`LMTier.put_encoded`.
-The cache-wide ones (pins, prefetch, purge, eviction listeners, flush, stats) are
-what an operator or a warm-up job does (``lmtier warm``, ``purge``, ``stats``).
+Engine integrations that already have chunk keys (the vLLM connector keys chunks by
+vLLM's block hashes) use the key-level methods (``lookup_keys``, ``load_keys``,
+``acquire_slabs``, ``put_encoded``); pins, prefetch, purge, eviction listeners,
+flush and stats are what an operator or a warm-up job does.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from lmtier.chunks.format import ChunkMeta
 from lmtier.chunks.hashers import make_hasher
 from lmtier.chunks.keys import ChunkHasher, ChunkKey, ExtraKeys, Namespace
 from lmtier.chunks.tokens import TokenInput
+from lmtier.chunks.vllm_hash import engine_names
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import CacheClosedError, ConfigError, InvalidRequestError
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
@@ -209,8 +208,12 @@ class LMTier:
     def keys(
         self, tokens: TokenInput, *, cache_salt: str = "", extras: ExtraKeys | None = None
     ) -> list[ChunkKey]:
-        """Chunk keys of every full chunk of ``tokens``."""
-        return self.hasher(cache_salt=cache_salt, extras=extras).extend(tokens)
+        """Chunk keys of every full chunk of ``tokens`` (with ``hash_algorithm: vllm``,
+        the store's events learn vLLM's block hashes of them too)."""
+        hasher = self.hasher(cache_salt=cache_salt, extras=extras)
+        keys = hasher.extend(tokens)
+        self._store.name_chunks(engine_names(hasher, keys, self.chunk_size))
+        return keys
 
     def hasher(self, *, cache_salt: str = "", extras: ExtraKeys | None = None) -> ChunkHasher:
         """An incremental hasher of this cache's keys for one growing sequence: a prompt,
@@ -351,11 +354,8 @@ class LMTier:
 
     def store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, *, skip: int | None = None) -> int:
         """:meth:`store` for the keys of a sequence already hashed (chunk ``i`` is
-        ``kv``'s tokens ``[i * chunk_size, (i + 1) * chunk_size)``).
-
-        ``skip``: how many leading chunks the caller knows are cached (the lookup it has
-        just made); None asks the local tiers.
-        """
+        ``kv``'s tokens ``[i * chunk_size, (i + 1) * chunk_size)``). ``skip``: how many
+        leading chunks the caller knows are cached (its lookup); None asks the tiers."""
         return self._store_keys(checked_keys(keys), kv, skip)
 
     def store_pages(

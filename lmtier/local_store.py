@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
@@ -31,7 +31,7 @@ from lmtier.results import HostMemory
 from lmtier.runtime import Runtime
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier, open_cpu_tier
-from lmtier.storage.events import NodeFeed
+from lmtier.storage.events import ChunkName, NodeFeed
 from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup
 from lmtier.storage.manager import EvictListener, StorageManager
@@ -272,6 +272,11 @@ class LocalStore:
         # hop to the runtime's loop (~60 us here: more than the lookup itself).
         found = manager.lookup_now(keys)
         return found if found is not None else runtime.run(manager.lookup(keys))
+
+    def name_chunks(self, names: Mapping[ChunkKey, ChunkName]) -> None:
+        manager = self._manager
+        if manager is not None:
+            manager.events.name(names)
 
     def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
         return self._run()[0].lookup_now(keys)

@@ -19,7 +19,7 @@ down) answers with misses, never an error, except where a method says otherwise.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +29,7 @@ from lmtier.storage.host_pool import SlabHandle
 
 if TYPE_CHECKING:
     from lmtier.results import HostMemory
+    from lmtier.storage.events import ChunkName
     from lmtier.storage.lookup import LoadedChunk, Lookup
     from lmtier.storage.manager import EvictListener
 
@@ -148,6 +149,10 @@ class ChunkStore(Protocol):
         the hand-over itself: the caller always calls it, before it waits for more
         slabs and on errors too). A full write queue is waited for while writes keep
         landing (``write_wait_s``)."""
+
+    def name_chunks(self, names: Mapping[ChunkKey, ChunkName]) -> None:
+        """What the engine calls these chunks (its block hashes), for the events of the
+        store's tiers (:meth:`lmtier.storage.events.TierEvents.name`)."""
 
     def host_memory(self) -> HostMemory:
         """What this process holds in host memory for the store."""

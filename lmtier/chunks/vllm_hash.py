@@ -33,13 +33,14 @@ import cbor2
 import numpy as np
 import xxhash
 
-from lmtier.chunks.keys import BLOCK_SIZE, ChunkKey, ExtraKeys, Namespace
+from lmtier.chunks.keys import BLOCK_SIZE, ChunkHasher, ChunkKey, ExtraKeys, Namespace
 from lmtier.chunks.tokens import TokenArray, TokenInput, as_token_array
 from lmtier.errors import ConfigError
 
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
     "VllmChunkHasher",
+    "engine_names",
     "bind_block_hash",
     "none_hash",
     "vllm_block_hashes",
@@ -178,3 +179,18 @@ class VllmChunkHasher:
             )
         self._keys.extend(fresh)
         return fresh
+
+
+def engine_names(
+    hasher: ChunkHasher, keys: Sequence[ChunkKey], chunk_size: int
+) -> dict[ChunkKey, tuple[bytes | None, tuple[bytes, ...]]]:
+    """What vLLM calls each of ``keys`` (the chunks ``hasher`` made, from a prompt's
+    first): the hash of the block before it (None for the first) and its blocks'
+    hashes; nothing for a hasher of another algorithm."""
+    if not isinstance(hasher, VllmChunkHasher) or not keys:
+        return {}
+    per, hashes = chunk_size // BLOCK_SIZE, hasher.block_hashes
+    return {
+        key: (hashes[j * per - 1] if j else None, tuple(hashes[j * per : (j + 1) * per]))
+        for j, key in enumerate(keys)
+    }

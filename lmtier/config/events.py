@@ -79,6 +79,9 @@ class EventsConfig(Section):
     """Seconds between batches."""
     data_parallel_rank: Annotated[int, Strict(), Field(ge=0, le=4095)] = 0
     """Stamped on every batch (vLLM's ``data_parallel_rank``)."""
+    int_block_hashes: Bool = False
+    """Block hashes as the low 64 bits, an integer (vLLM's
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), not bytes."""
     curve_secret_key_file: PathValue | None = None
     """A file with the server's Z85 CURVE secret key (40 characters, as
     ``zmq.curve_keypair()`` makes): turns on CURVE on both sockets, and with it lets

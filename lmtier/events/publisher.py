@@ -41,8 +41,8 @@ import zmq
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config.events import EventsConfig
 from lmtier.errors import ConfigError
-from lmtier.events.wire import all_cleared, encode_batch, stored, vllm_events
-from lmtier.storage.events import TierEvents
+from lmtier.events.wire import all_cleared, encode_batch, vllm_events
+from lmtier.storage.events import TierEvent, TierEvents
 
 __all__ = ["END_SEQ", "SNAPSHOT_KEYS", "EventPublisher"]
 
@@ -173,15 +173,16 @@ class EventPublisher:
         subscription's lost count so far."""
         subscription = self._subscription
         taken = subscription.take()
-        events, cleared = vllm_events(taken, self._block_size)
+        events, cleared = self._vllm(taken)
         if subscription.lost != lost or cleared:
             lost = subscription.lost
             self.resyncs += 1
             keys = list(self._snapshot())
-            events = [all_cleared()] + [
-                stored(keys[i : i + SNAPSHOT_KEYS], self._memory_tier, self._block_size)
+            snapshot = [
+                TierEvent("stored", self._memory_tier, tuple(keys[i : i + SNAPSHOT_KEYS]))
                 for i in range(0, len(keys), SNAPSHOT_KEYS)
             ]
+            events = [all_cleared(), *self._vllm(snapshot)[0]]
         if not events:
             return lost
         seq = self._next_seq
@@ -192,6 +193,14 @@ class EventPublisher:
         self._buffer.append((seq, payload))
         self.batches += 1
         return lost
+
+    def _vllm(self, events: list[TierEvent]) -> tuple[list[dict[str, Any]], bool]:
+        return vllm_events(
+            events,
+            self._block_size,
+            self._events.name_of,
+            int_hashes=self.config.int_block_hashes,
+        )
 
     def _serve_replay(self, replay: Any) -> None:
         """Answer one replay request: the kept batches from its sequence number on."""

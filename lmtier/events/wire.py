@@ -11,14 +11,18 @@ writes; tests/unit/test_event_wire.py checks it against the installed vLLM.
 
 How lmtier fills them:
 
-* ``block_hashes``: the chunk keys (32 bytes each: the namespace digest, then the
-  chunk's hash; with ``hash_algorithm: vllm`` the chunk's hash is bound to vLLM's block
-  hash at the chunk's end, :mod:`lmtier.chunks.vllm_hash`), a valid
-  ``ExternalBlockHash`` (bytes); ``block_size``: the chunk size in tokens;
+* ``block_hashes``: with ``hash_algorithm: vllm``, vLLM's own block hashes of each
+  chunk (``block_size`` 16, ``parent_block_hash`` the block before), as the cache
+  learned them when it hashed the prompt (:meth:`lmtier.LMTier.keys`; the last
+  :data:`~lmtier.storage.events.NAMES` chunks): the events line up with the engine's;
+  otherwise, and for chunks it was not told about (a sidecar's, whose clients send
+  keys only), the chunk keys (32 bytes: the namespace digest, then the chunk's hash),
+  ``block_size`` the chunk size. Bytes, or vLLM's 64-bit integers with
+  ``int_block_hashes``;
 * ``medium``: the tier's name in capitals (``CPU``, ``DISK``, ``REDIS``, ``S3``,
   ``PEER``; vLLM's own are ``GPU`` and ``CPU``);
-* ``token_ids`` empty and ``parent_block_hash`` null: a tier holds bytes under a key,
-  not the tokens that made it (the vLLM connector's own events carry both);
+* ``token_ids`` empty: a tier holds bytes under a key, not the tokens that made it
+  (the vLLM connector's own events, through vLLM's publisher, carry them);
 * a tier's purge of a namespace it cannot list, or events lost to a full queue:
   ``AllBlocksCleared``, then ``BlockStored`` for what the node's CPU tier holds
   (:class:`~lmtier.events.publisher.EventPublisher`).
@@ -26,15 +30,31 @@ How lmtier fills them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from lmtier.chunks.keys import ChunkKey
 from lmtier.storage.events import TierEvent
 
-__all__ = ["all_cleared", "encode_batch", "medium_of", "removed", "stored", "vllm_events"]
+if TYPE_CHECKING:
+    from lmtier.storage.events import ChunkName
+
+__all__ = [
+    "NameOf",
+    "all_cleared",
+    "encode_batch",
+    "external",
+    "medium_of",
+    "removed",
+    "stored",
+    "vllm_events",
+]
+
+
+NameOf = Callable[[ChunkKey], "ChunkName | None"]
+"""What the engine calls a chunk, if it said (:meth:`TierEvents.name_of`)."""
 
 
 def medium_of(tier: str) -> str:
@@ -42,12 +62,20 @@ def medium_of(tier: str) -> str:
     return tier.upper()
 
 
-def stored(keys: Sequence[ChunkKey], tier: str, block_size: int) -> dict[str, Any]:
-    """A ``BlockStored`` of ``keys`` in ``tier``."""
+def external(block_hash: bytes, int_hashes: bool) -> bytes | int:
+    """A block hash as vLLM publishes it: the bytes, or (vLLM's
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) their low 64 bits as an integer."""
+    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF if int_hashes else block_hash
+
+
+def stored(
+    hashes: Sequence[bytes | int], tier: str, block_size: int, parent: bytes | int | None = None
+) -> dict[str, Any]:
+    """A ``BlockStored`` of ``hashes`` (blocks of ``block_size`` tokens) in ``tier``."""
     return {
         "type": "BlockStored",
-        "block_hashes": [bytes(key) for key in keys],
-        "parent_block_hash": None,
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
         "token_ids": [],
         "block_size": block_size,
         "lora_id": None,
@@ -56,13 +84,9 @@ def stored(keys: Sequence[ChunkKey], tier: str, block_size: int) -> dict[str, An
     }
 
 
-def removed(keys: Sequence[ChunkKey], tier: str) -> dict[str, Any]:
-    """A ``BlockRemoved`` of ``keys`` from ``tier``."""
-    return {
-        "type": "BlockRemoved",
-        "block_hashes": [bytes(key) for key in keys],
-        "medium": medium_of(tier),
-    }
+def removed(hashes: Sequence[bytes | int], tier: str) -> dict[str, Any]:
+    """A ``BlockRemoved`` of ``hashes`` from ``tier``."""
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium_of(tier)}
 
 
 def all_cleared() -> dict[str, Any]:
@@ -70,19 +94,63 @@ def all_cleared() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
-def vllm_events(events: Iterable[TierEvent], block_size: int) -> tuple[list[dict[str, Any]], bool]:
+def vllm_events(
+    events: Iterable[TierEvent],
+    chunk_size: int,
+    name_of: NameOf | None = None,
+    *,
+    int_hashes: bool = False,
+) -> tuple[list[dict[str, Any]], bool]:
     """``events`` as vLLM's events, and whether one of them was a ``cleared`` (the
-    caller follows with a snapshot: vLLM's events cannot clear one namespace)."""
+    caller follows with a snapshot: vLLM's events cannot clear one namespace).
+
+    Chunks the engine named (``name_of``) are published as its blocks, with the parent
+    of a run's first; the others as one block of ``chunk_size`` tokens under their key."""
     out: list[dict[str, Any]] = []
     cleared = False
     for event in events:
-        if event.kind == "stored":
-            out.append(stored(event.keys, event.tier, block_size))
-        elif event.kind == "removed":
-            out.append(removed(event.keys, event.tier))
-        else:
+        if event.kind == "cleared":
             cleared = True
+            continue
+        for parent, hashes, size in _runs(event.keys, chunk_size, name_of, int_hashes):
+            if event.kind == "stored":
+                out.append(stored(hashes, event.tier, size, parent))
+            else:
+                out.append(removed(hashes, event.tier))
     return out, cleared
+
+
+def _runs(
+    keys: Sequence[ChunkKey], chunk_size: int, name_of: NameOf | None, int_hashes: bool
+) -> list[tuple[bytes | int | None, list[bytes | int], int]]:
+    """``keys`` cut into runs of named and unnamed chunks: (parent, hashes, block size)."""
+    runs: list[tuple[bytes | int | None, list[bytes | int], int]] = []
+    for key in keys:
+        name = name_of(key) if name_of is not None else None
+        if name is None or not name[1]:
+            if runs and runs[-1][2] == chunk_size:
+                runs[-1][1].append(external(key, int_hashes))
+            else:
+                runs.append((None, [external(key, int_hashes)], chunk_size))
+            continue
+        parent, hashes = name
+        size = chunk_size // len(hashes)
+        blocks = [external(h, int_hashes) for h in hashes]
+        if (
+            runs
+            and runs[-1][2] == size
+            and runs[-1][1]
+            and parent is not None
+            and _last(runs) == external(parent, int_hashes)
+        ):
+            runs[-1][1].extend(blocks)
+        else:
+            runs.append((None if parent is None else external(parent, int_hashes), blocks, size))
+    return runs
+
+
+def _last(runs: list[tuple[bytes | int | None, list[bytes | int], int]]) -> bytes | int:
+    return runs[-1][1][-1]
 
 
 def encode_batch(ts: float, events: Sequence[dict[str, Any]], data_parallel_rank: int) -> bytes:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -60,6 +60,7 @@ from lmtier.wire.address import default_listen, parse_listen
 from lmtier.wire.keepalive import DEFAULT_KEEPALIVE_S
 
 if TYPE_CHECKING:
+    from lmtier.storage.events import ChunkName
     from lmtier.storage.manager import EvictListener
 
 __all__ = ["SidecarStore", "connect", "sidecar_target"]
@@ -231,6 +232,9 @@ class SidecarStore:
         return self._conn().any_session(self._parts()[0].base)
 
     # ---- lookups -------------------------------------------------------------------
+
+    def name_chunks(self, names: Mapping[ChunkKey, ChunkName]) -> None:
+        """Nothing: the sidecar's events name its chunks by their keys."""
 
     def lookup_now(self, keys: Sequence[ChunkKey]) -> Lookup | None:
         """None: every answer is a call to the sidecar."""

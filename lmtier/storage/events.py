@@ -20,14 +20,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from lmtier.chunks.keys import ChunkKey
 
-__all__ = ["EventKind", "NodeFeed", "Subscription", "TierEvent", "TierEvents"]
+__all__ = [
+    "NAMES",
+    "ChunkName",
+    "EventKind",
+    "NodeFeed",
+    "Subscription",
+    "TierEvent",
+    "TierEvents",
+]
 
 EventKind = Literal["stored", "removed", "cleared"]
 """``stored``: the tier holds ``keys`` now; ``removed``: it no longer holds ``keys``;
@@ -44,6 +52,13 @@ class TierEvent:
     keys: tuple[ChunkKey, ...] = ()
     namespace: bytes = b""
     at: float = field(default_factory=time.time)
+
+
+ChunkName = tuple[bytes | None, tuple[bytes, ...]]
+"""What an engine calls a chunk: the hash of the block before it (None for a
+prompt's first), and the hashes of its blocks (vLLM's, with ``hash_algorithm: vllm``)."""
+NAMES = 65_536
+"""Chunks whose engine names are kept (about 600 bytes each), the last named first."""
 
 
 class Subscription:
@@ -88,6 +103,25 @@ class TierEvents:
     def __init__(self) -> None:
         self._subscribers: tuple[Subscription, ...] = ()
         self._lock = threading.Lock()
+        self._names: OrderedDict[bytes, ChunkName] = OrderedDict()
+
+    def name(self, names: Mapping[ChunkKey, ChunkName]) -> None:
+        """Remember what the engine calls these chunks (the last :data:`NAMES`), so
+        that their events carry the engine's block hashes (:mod:`lmtier.events.wire`).
+        Nothing is kept while nobody listens."""
+        if not self._subscribers or not names:
+            return
+        with self._lock:
+            table = self._names
+            for key, name in names.items():
+                table[bytes(key)] = name
+                table.move_to_end(bytes(key))
+            while len(table) > NAMES:
+                table.popitem(last=False)
+
+    def name_of(self, key: ChunkKey) -> ChunkName | None:
+        """What the engine calls chunk ``key``, if it said so lately."""
+        return self._names.get(bytes(key))
 
     @property
     def active(self) -> bool:

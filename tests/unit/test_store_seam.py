@@ -8,7 +8,7 @@ hands out.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +23,7 @@ from lmtier.errors import CacheClosedError, InvalidKVError, InvalidRequestError
 from lmtier.local_store import LocalStore
 from lmtier.namespaces import Namespaces
 from lmtier.results import HostMemory
+from lmtier.storage.events import ChunkName
 from lmtier.storage.host_pool import HostPool, SlabHandle
 from lmtier.storage.lookup import LoadedChunk, Lookup, TierSpan
 from lmtier.store import ChunkStore, Encoded, Reserved, StoreLayout
@@ -106,6 +107,10 @@ class RecordingStore:
             handle.release()
         return lambda: len(encoded)
 
+    def name_chunks(self, names: Mapping[ChunkKey, ChunkName]) -> None:
+        if names:
+            self._log("name_chunks", len(names))
+
     def host_memory(self) -> HostMemory:
         return HostMemory(0, 0, 0, 0, 0, 0)
 
@@ -154,7 +159,7 @@ def test_every_store_has_every_method_of_the_protocol_with_its_signature(store: 
         cls: type = SidecarStore
     else:
         cls = {"LocalStore": LocalStore, "RecordingStore": RecordingStore}[store]
-    assert len(protocol_methods()) == 18
+    assert len(protocol_methods()) == 19
     for name in protocol_methods():
         want = inspect.signature(getattr(ChunkStore, name))
         got = inspect.signature(getattr(cls, name))

@@ -15,6 +15,8 @@ import torch
 import zmq
 
 from lmtier import KVSpec, LMTier
+from lmtier.chunks.keys import BLOCK_SIZE
+from lmtier.chunks.vllm_hash import vllm_block_hashes
 from lmtier.config import LMTierConfig
 from lmtier.errors import ConfigError
 from lmtier.events.publisher import END_SEQ
@@ -229,3 +231,43 @@ def test_curve_lets_only_subscribers_that_know_the_key_in(
         assert not stranger.poll(200), "a subscriber without the key gets nothing"
         stranger.close(linger=0)
         member.close(linger=0)
+
+
+def test_in_vllm_hash_mode_events_name_vllms_own_block_hashes(
+    tmp_path: Path, context: zmq.Context[Any]
+) -> None:
+    setting = config(tmp_path).replace(hash_algorithm="vllm")
+    with LMTier.open(setting, kv=SPEC, model_id="events") as cache:
+        publisher = cache._store.event_publisher  # type: ignore[attr-defined]
+        sub = subscribe(context, publisher.endpoint)
+        tokens = list(range(3 * CHUNK + 5))
+        cache.store(tokens, torch.randn(SPEC.shape(len(tokens))))
+        cache.flush()
+        blocks = vllm_block_hashes(tokens)[: 3 * CHUNK // BLOCK_SIZE]
+        batches = receive(sub, lambda got: stored_keys(got, "DISK") == set(blocks))
+        for medium in ("CPU", "DISK"):
+            events = [
+                e
+                for e in events_of(batches)
+                if isinstance(e, kv_events.BlockStored) and e.medium == medium
+            ]
+            assert [bytes(h) for e in events for h in e.block_hashes] == blocks, medium
+            assert {e.block_size for e in events} == {BLOCK_SIZE}
+            assert events[0].parent_block_hash is None
+        sub.close(linger=0)
+    # vLLM's integer form, as VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES makes it.
+    with LMTier.open(
+        config(tmp_path / "ints", int_block_hashes=True).replace(hash_algorithm="vllm"),
+        kv=SPEC,
+        model_id="events",
+    ) as cache:
+        publisher = cache._store.event_publisher  # type: ignore[attr-defined]
+        sub = subscribe(context, publisher.endpoint)
+        cache.store(tokens, torch.randn(SPEC.shape(len(tokens))))
+        expected = [int.from_bytes(h, "big") & (2**64 - 1) for h in blocks]
+        got = receive(
+            sub, lambda got: sum(len(e.block_hashes) for e in events_of(got)) >= len(blocks)
+        )
+        first = next(e for e in events_of(got) if isinstance(e, kv_events.BlockStored))
+        assert first.block_hashes == expected[: len(first.block_hashes)]
+        sub.close(linger=0)
