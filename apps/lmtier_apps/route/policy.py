@@ -13,8 +13,8 @@ the index does not show yet (tier ``routed``: the engine stores what it computes
 a conversation's next turn finds it there even within the index's lag). A tier every
 node reads (Redis, S3) adds the same to every engine, so it never decides alone;
 memory and disk do. ``load_tokens`` is what one queued request is worth in prompt
-tokens: with the default (one chunk's worth... see :data:`LOAD_TOKENS`) a node
-holding several chunks more of the prompt wins over one with a request fewer in
+tokens: with the default (:data:`LOAD_TOKENS`, two chunks of 256) a node holding
+several chunks more of the prompt in memory wins over one with a request fewer in
 flight, and a node far busier than the others loses even its cached prefix.
 
 Without the index (down, slow, or not configured) ``kv-aware`` is ``least-loaded``
