@@ -190,9 +190,7 @@ class Replay:
         shared = Holding()
         if policy == "kv-aware" and keys:
             live, owners = self.loop.run_until_complete(self.index.query(keys))
-            got, common = prefixes(live, owners)
-            found = {n: Holding(h.chunks, h.by_tier) for n, h in got.items()}
-            shared = Holding(common.chunks, common.by_tier)
+            found, shared = prefixes(live, owners)
         candidates = [
             Candidate(
                 name,

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lmtier.chunks.keys import ChunkKey
+from lmtier_backends.fleet.index import Holding
 
 __all__ = [
     "LOAD_TOKENS",
@@ -54,17 +55,6 @@ TIER_WEIGHTS: dict[str, float] = {
 the machines the benchmarks ran on (benchmarks/README.md)."""
 LOAD_TOKENS = 512
 """Default worth of one request in flight or waiting, in prompt tokens."""
-
-
-@dataclass(slots=True)
-class Holding:
-    """The leading chunks of a prompt one node can serve, by tier."""
-
-    chunks: int = 0
-    by_tier: dict[str, int] = field(default_factory=dict)
-
-    def tokens_by_tier(self, chunk_size: int) -> dict[str, int]:
-        return {tier: n * chunk_size for tier, n in self.by_tier.items()}
 
 
 @dataclass(slots=True)

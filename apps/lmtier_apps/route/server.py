@@ -254,11 +254,7 @@ class Router:
         if self._index_down:
             logger.warning("fleet index answers again")
             self._index_down = False
-        found, shared = prefixes(live, owners)
-        return (
-            {name: Holding(h.chunks, h.by_tier) for name, h in found.items()},
-            Holding(shared.chunks, shared.by_tier),
-        )
+        return prefixes(live, owners)
 
     async def _send(self, request: web.Request, body: bytes, routed: _Routed) -> web.StreamResponse:
         prompt, keys, candidates = routed.prompt, routed.keys, routed.candidates

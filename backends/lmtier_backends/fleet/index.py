@@ -114,6 +114,9 @@ class Holding:
     chunks: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
 
+    def tokens_by_tier(self, chunk_size: int) -> dict[str, int]:
+        return {tier: n * chunk_size for tier, n in self.by_tier.items()}
+
 
 _APPLY = """
 local node, now, expiry, stamp = ARGV[1], ARGV[2], ARGV[3], ARGV[7]
