@@ -304,8 +304,9 @@ class BackgroundWrites:
         tier.stats.write_latency.record(elapsed)
         if stored is not None:
             pacer.succeeded(num_bytes, elapsed, len(batch))
-            if stored == len(items) and tier.events is not None:  # which ones, if not all?
-                tier.events.emit("stored", tier.name, [key for key, _ in items])
+            events = tier.events  # told only when all landed: which, if only some did?
+            if stored == len(items) and events is not None and events.active:
+                events.emit("stored", tier.name, [key for key, _ in items])
         elif timed_out:
             pacer.timed_out(num_bytes, len(batch))
 
