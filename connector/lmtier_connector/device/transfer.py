@@ -8,30 +8,38 @@ of the request's block table that covers them: ``ceil(T / block_size)`` blocks, 
 one partly filled when ``T`` is not a multiple of the block size (never, for a paged
 layout).
 
-**Formulation.** Token-layout chunks: pages are seen canonically as ``(..., K, N, S, H,
-D)`` (see :mod:`lmtier_connector.device.paged_kv`), the chunk as ``(..., K, T, H, D)``,
-with an optional leading layer axis; splitting the chunk's token axis into ``(blocks,
-S)`` is a view. Paged chunks: pages are seen through their block views ``(..., N, H, S,
-C)`` (or ``(..., N, S, H, C)``), the chunk as itself, ``(..., B, H, S, C)``: the same
-blocks in the same order, so a save or a load is a block copy, no transpose. Then
+**Two copy paths** (:class:`TransferEngine` chooses, once):
 
-* gather  = ``index_select(pages, block axis, run, out=chunk viewed as blocks)``
-* scatter = ``pages.index_copy_(block axis, run, chunk viewed as blocks)``
+* *The fused kernels* (CUDA, with cupy: :mod:`lmtier_connector.device.kernels`): one
+  launch moves every chunk of a transfer for a range of layers, walking each layer's
+  pages from a table of base addresses and reading or writing the pinned host chunks in
+  place over the bus (no staging copy), in 16-byte vectors where the rows allow. A load
+  launches once per layer; a whole-model save (``save_all``) once in all. They run
+  where cupy imports and the device can address registered host memory; a transfer
+  they cannot address (a strided row, layers of different strides) takes the torch path.
+* *The torch path* (every device; :mod:`lmtier_connector.device.runs`). Token-layout
+  chunks: pages are seen canonically as ``(..., K, N, S, H, D)`` (see
+  :mod:`lmtier_connector.device.paged_kv`), the chunk as ``(..., K, T, H, D)``, with an
+  optional leading layer axis; splitting the chunk's token axis into ``(blocks, S)`` is
+  a view. Paged chunks: pages are seen through their block views ``(..., N, H, S, C)``
+  (or ``(..., N, S, H, C)``), the chunk as itself: the same blocks in the same order.
+  Then gather = ``index_select`` along the block axis into the chunk viewed as blocks,
+  scatter = ``index_copy_`` (on CPU, where torch's ``index_copy_`` moves one element at
+  a time, an assignment through numpy's advanced indexing:
+  :mod:`lmtier_connector.device.page_copy`); one op for all layers and the full blocks
+  when the layers share a storage, a slice copy when the ids are consecutive, plus, for
+  a token layout, one copy of the first ``T mod S`` slots of a partly filled last
+  block, whose other slots are never touched. On CUDA, gather picks the blocks on the
+  device and crosses the bus once per chunk and layer; scatter crosses it once and
+  places them there.
 
-one op for all layers and the full blocks (one per layer when the layers do not share
-a storage; a slice copy when the ids are consecutive; on CPU, where torch's
-``index_copy_`` moves one element at a time, an assignment through numpy's advanced
-indexing: :mod:`lmtier_connector.device.page_copy`), plus, for a token
-layout, one copy of the first ``T mod S`` slots of a partly filled last block, whose
-other slots are never touched. No loop over tokens or blocks. Copies act on same-width
-integer views, so every dtype moves bit-exactly, float8 included. Across devices, gather
-picks the blocks on the device and crosses the bus once; scatter crosses it once and
-places them there.
+Both copy same-width integers, so every dtype moves bit-exactly, float8 included.
 
 **Streams and events (CUDA; CPU runs the same calls synchronously).** A
 :class:`TransferEngine` owns two side streams. ``start_load`` enqueues, layer by
-layer on the load stream, one host-to-device copy per chunk (from pinned slabs,
-``non_blocking``) and the block scatter, then records one event per layer;
+layer on the load stream, the layer's copies (a kernel launch, or one host-to-device
+copy per chunk from pinned slabs, ``non_blocking``, and the block scatter), then
+records one event per layer;
 ``LoadHandle.wait_layer(i)`` makes the *current* stream wait on event ``i``, so layer
 ``i`` computes as soon as its KV has landed while the load of layer ``i + 1`` goes on::
 
@@ -57,6 +65,7 @@ anything else is a ``ValueError``, and :func:`gather` / :func:`scatter` remain f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -65,8 +74,19 @@ import torch
 from lmtier import SlabHandle
 from lmtier.chunks.format import ChunkMeta, DecodedChunk
 from lmtier.kv_spec import chunk_tensor, payload_tensor, seal_slab
-from lmtier_connector.device.page_copy import bit_view, read_blocks, split_tokens, write_blocks
+from lmtier_connector.device.kernels.cuda import Launches, kernels_unavailable
+from lmtier_connector.device.kernels.plan import plan_copy
 from lmtier_connector.device.paged_kv import PagedKVCache
+from lmtier_connector.device.runs import (
+    BlockIds,
+    Run,
+    check_runs,
+    gather_run,
+    layer_view,
+    make_runs,
+    scatter_run,
+    whole_copy,
+)
 
 __all__ = [
     "BlockIds",
@@ -80,51 +100,9 @@ __all__ = [
     "scatter",
 ]
 
-BlockIds = Sequence[int] | torch.Tensor
-"""A run of block ids; Python ints preferred (a CUDA tensor costs a sync to validate)."""
+logger = logging.getLogger(__name__)
+
 ChunkSource = torch.Tensor | DecodedChunk
-
-
-@dataclass(frozen=True, slots=True)
-class _Run:
-    """The blocks of one chunk: ids on the pages' device, and how the tokens fill them."""
-
-    ids: torch.Tensor
-    num_tokens: int
-    num_full: int  # blocks that the chunk fills completely
-    tail: int  # tokens in the last, partly filled block; 0 when there is none
-    tail_block: int  # that block's id (meaningful only when tail > 0)
-    first: int | None  # the first id when the ids are consecutive: a slice replaces indexing
-    paged: bool  # a paged-layout chunk: the chunk view is already the blocks, no tail
-
-
-def _make_runs(
-    pages: PagedKVCache, block_ids: Sequence[BlockIds], token_counts: Sequence[int], *, unique: bool
-) -> list[_Run]:
-    """Validate the runs and put all their ids on the pages' device in one copy.
-
-    Called on the stream that will use the ids, so the copy is ordered before them.
-    """
-    if len(block_ids) != len(token_counts):
-        raise ValueError(f"{len(block_ids)} block id runs for {len(token_counts)} chunks")
-    lists = [pages.check_run(ids, n) for ids, n in zip(block_ids, token_counts, strict=True)]
-    flat_list = [b for ids in lists for b in ids]
-    if unique and len(set(flat_list)) != len(flat_list):
-        raise ValueError("a block id repeats: writing one block twice has no defined result")
-    flat = torch.tensor(flat_list, dtype=torch.int64)
-    if pages.device.type == "cuda":
-        # Pinned and non_blocking: a pageable copy would make the host wait on the stream.
-        flat = flat.pin_memory().to(pages.device, non_blocking=True)
-    else:
-        flat = flat.to(pages.device)
-    runs, start = [], 0
-    for ids, n in zip(lists, token_counts, strict=True):
-        full, tail = divmod(n, pages.block_size)
-        consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
-        first, paged = (ids[0] if consecutive else None), pages.spec.paged
-        runs.append(_Run(flat[start : start + len(ids)], n, full, tail, ids[-1], first, paged))
-        start += len(ids)
-    return runs
 
 
 def _as_tensor(chunk: ChunkSource) -> torch.Tensor:
@@ -140,72 +118,6 @@ def _views(
     return views, [pages.spec.tokens_of(chunk.shape) or 0 for chunk in chunks]
 
 
-def _layer(pages: PagedKVCache, layer: int) -> torch.Tensor:
-    """The pages' side of one layer: its block view for a paged spec, else canonical."""
-    return pages.blocks(layer) if pages.spec.paged else pages.canonical(layer)
-
-
-def _chunk_blocks(chunk: torch.Tensor, run: _Run, slots: int) -> torch.Tensor:
-    """The run's full blocks on the chunk side: a paged chunk itself, else its first
-    ``F * S`` tokens split into (F, S)."""
-    if run.paged:
-        return chunk
-    return split_tokens(chunk[..., : run.num_full * slots, :, :], run.num_full, slots)
-
-
-def _gather_run(pages: torch.Tensor, run: _Run, out: torch.Tensor, non_blocking: bool) -> None:
-    """Pages (..., K, N, S, H, D) -> chunk (..., K, T, H, D); paged: the block views
-    (..., N, X, Y, C) -> chunk (..., B, X, Y, C)."""
-    src, dst = bit_view(pages), bit_view(out)
-    if dst.device != src.device:
-        picked = src.index_select(-4, run.ids)  # contiguous, on the device
-        if not run.paged:
-            picked = picked.flatten(-4, -3)[..., : run.num_tokens, :, :]
-        dst.copy_(picked, non_blocking=non_blocking)
-        return
-    slots = src.shape[-3]
-    if run.num_full:
-        read_blocks(src, run.ids[: run.num_full], run.first, _chunk_blocks(dst, run, slots))
-    if run.tail:
-        full = run.num_full * slots
-        dst[..., full:, :, :].copy_(src.select(-4, run.tail_block)[..., : run.tail, :, :])
-
-
-def _scatter_run(chunk: torch.Tensor, pages: torch.Tensor, run: _Run, non_blocking: bool) -> None:
-    """Chunk (..., K, T, H, D) -> pages (..., K, N, S, H, D); paged: chunk (..., B, X, Y,
-    C) -> the block views (..., N, X, Y, C)."""
-    dst = bit_view(pages)
-    src = bit_view(chunk).to(dst.device, non_blocking=non_blocking)  # no-op on one device
-    slots = dst.shape[-3]
-    if run.num_full:
-        write_blocks(dst, run.ids[: run.num_full], run.first, _chunk_blocks(src, run, slots))
-    if run.tail:
-        full = run.num_full * slots
-        dst.select(-4, run.tail_block)[..., : run.tail, :, :].copy_(src[..., full:, :, :])
-
-
-def _whole(pages: PagedKVCache, run: _Run, chunk: torch.Tensor, *, save: bool) -> None:
-    """Every layer of one chunk, synchronously: one op for all when the pages are stacked.
-
-    A token-layout scatter into stacked pages goes K and V separately: torch's strided
-    copy is ~1.8x faster on the two halves than on the whole (measured on vLLM's page
-    layout, where heads come before tokens); gathers gain nothing from the split, nor
-    do paged chunks, whose blocks are copied as they are stored.
-    """
-    stacked = pages.stacked_blocks if run.paged else pages.stacked
-    if stacked is not None and not save and not run.paged:
-        pairs = [(stacked[:, k], chunk[:, k]) for k in range(chunk.shape[1])]
-    elif stacked is not None:
-        pairs = [(stacked, chunk)]
-    else:
-        pairs = [(_layer(pages, layer), chunk[layer]) for layer in range(pages.num_layers)]
-    for page_view, chunk_view in pairs:
-        if save:
-            _gather_run(page_view, run, chunk_view, non_blocking=False)
-        else:
-            _scatter_run(chunk_view, page_view, run, non_blocking=False)
-
-
 def _record(stream: torch.cuda.Stream, timing: bool) -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
     event.record(stream)
@@ -219,8 +131,8 @@ def gather(pages: PagedKVCache, block_ids: BlockIds, out: torch.Tensor) -> None:
     ``T`` slots are read. Synchronous: ``out`` is complete on return.
     """
     (chunk,), counts = _views(pages, [out])
-    (run,) = _make_runs(pages, [block_ids], counts, unique=False)
-    _whole(pages, run, chunk, save=True)
+    (run,) = make_runs(pages, check_runs(pages, [block_ids], counts, unique=False), counts)
+    whole_copy(pages, run, chunk, save=True)
 
 
 def scatter(chunk: torch.Tensor, pages: PagedKVCache, block_ids: BlockIds) -> None:
@@ -229,8 +141,8 @@ def scatter(chunk: torch.Tensor, pages: PagedKVCache, block_ids: BlockIds) -> No
     Slots past ``T`` in a partly filled last block keep their contents. Synchronous.
     """
     (view,), counts = _views(pages, [chunk])
-    (run,) = _make_runs(pages, [block_ids], counts, unique=True)
-    _whole(pages, run, view, save=False)
+    (run,) = make_runs(pages, check_runs(pages, [block_ids], counts, unique=True), counts)
+    whole_copy(pages, run, view, save=False)
 
 
 def save_chunk_into_slab(
@@ -294,13 +206,13 @@ class SaveHandle:
     def __init__(
         self,
         pages: PagedKVCache,
-        runs: list[_Run],
+        runs: list[Run] | Launches,
         outs: list[torch.Tensor],
         stream: torch.cuda.Stream | None,
         timing: bool,
     ) -> None:
         self._pages = pages
-        self._runs = runs
+        self._runs = runs  # Launches: the fused kernels copy (CUDA only)
         self._outs = outs
         self._stream = stream
         self._timing = timing
@@ -317,28 +229,43 @@ class SaveHandle:
         KV) is done: call it right after the layer's attention. Returns at once on CUDA."""
         if not 0 <= layer < len(self._saved) or self._saved[layer]:
             raise ValueError(f"layer {layer} is outside 0..{len(self._saved) - 1} or was saved")
-        self._saved[layer] = True
-        pages, stream = self._pages, self._stream
+        self._save(layer, 1)
+
+    def _save(self, layer0: int, count: int) -> None:
+        """Enqueue layers ``layer0 .. layer0 + count - 1`` (checked: not saved yet)."""
+        self._saved[layer0 : layer0 + count] = [True] * count
+        pages, stream, runs = self._pages, self._stream, self._runs
         if stream is None:
-            for run, out in zip(self._runs, self._outs, strict=True):
-                _gather_run(_layer(pages, layer), run, out[layer], non_blocking=False)
+            assert not isinstance(runs, Launches)
+            for layer in range(layer0, layer0 + count):
+                for run, out in zip(runs, self._outs, strict=True):
+                    gather_run(layer_view(pages, layer), run, out[layer], non_blocking=False)
             return
-        # CUDA path: the save stream waits for the layer's KV, then gathers + copies D2H.
+        # CUDA path: the save stream waits for the layers' KV, then gathers + copies D2H
+        # (the kernels: in one launch, writing the pinned chunks in place).
         stream.wait_stream(torch.cuda.current_stream(pages.device))
         with torch.cuda.stream(stream):
-            for run, out in zip(self._runs, self._outs, strict=True):
-                _gather_run(_layer(pages, layer), run, out[layer], non_blocking=True)
+            if isinstance(runs, Launches):
+                runs.launch(save=True, layer0=layer0, num_layers=count, stream=stream)
+            else:
+                for layer in range(layer0, layer0 + count):
+                    for run, out in zip(runs, self._outs, strict=True):
+                        gather_run(layer_view(pages, layer), run, out[layer], non_blocking=True)
             self._last_event = _record(stream, self._timing)
 
     def save_all(self) -> None:
-        """Enqueue every pending layer (on CPU, as whole-model gathers when it can)."""
-        if self._stream is None and not any(self._saved):
-            for run, out in zip(self._runs, self._outs, strict=True):
-                _whole(self._pages, run, out, save=True)
-            self._saved = [True] * len(self._saved)
-            return
-        for layer in self.pending_layers:
-            self.save_layer(layer)
+        """Enqueue every pending layer; when none was yet, as whole-model gathers on CPU
+        (where it can) and as one launch of the kernels."""
+        runs, count = self._runs, len(self._saved)
+        if not any(self._saved) and self._stream is None and isinstance(runs, list):
+            for run, out in zip(runs, self._outs, strict=True):
+                whole_copy(self._pages, run, out, save=True)
+            self._saved = [True] * count
+        elif not any(self._saved) and isinstance(runs, Launches):
+            self._save(0, count)
+        else:
+            for layer in self.pending_layers:
+                self.save_layer(layer)
 
     def done(self) -> bool:
         """Whether every layer was enqueued and has reached its destination; never blocks."""
@@ -360,15 +287,32 @@ class SaveHandle:
 class TransferEngine:
     """Loads and saves chunks for one :class:`PagedKVCache`: asynchronous on CUDA, on
     dedicated load and save streams; synchronous on CPU. ``timing=True`` makes the
-    CUDA events timing events (for benchmarks)."""
+    CUDA events timing events (for benchmarks).
 
-    __slots__ = ("_load_stream", "_pages", "_save_stream", "_timing")
+    ``kernels``: copy with the fused CUDA kernels (:mod:`lmtier_connector.device.kernels`)
+    where they run: None (the default) uses them when cupy and a CUDA device are there
+    and the torch path otherwise (logged once); True requires them (``RuntimeError``
+    saying why not); False never uses them. A transfer the kernels cannot address (a
+    strided row, layers of different strides) goes the torch path.
+    """
 
-    def __init__(self, pages: PagedKVCache, *, timing: bool = False) -> None:
+    __slots__ = ("_kernels", "_load_stream", "_pages", "_save_stream", "_timing")
+
+    def __init__(
+        self, pages: PagedKVCache, *, timing: bool = False, kernels: bool | None = None
+    ) -> None:
         self._pages = pages
         self._timing = timing
         self._load_stream: torch.cuda.Stream | None = None
         self._save_stream: torch.cuda.Stream | None = None
+        self._kernels = False
+        if kernels is not False:
+            why = kernels_unavailable(pages.device)
+            if why is not None and kernels:
+                raise RuntimeError(f"the fused copy kernels were asked for, but {why}")
+            if why is not None and pages.device.type == "cuda":
+                logger.info("lmtier: the torch copy path moves KV (%s)", why)
+            self._kernels = why is None
         if pages.device.type == "cuda":  # CUDA path
             self._load_stream = torch.cuda.Stream(pages.device)  # type: ignore[no-untyped-call]
             self._save_stream = torch.cuda.Stream(pages.device)  # type: ignore[no-untyped-call]
@@ -377,28 +321,52 @@ class TransferEngine:
     def pages(self) -> PagedKVCache:
         return self._pages
 
+    @property
+    def kernels(self) -> bool:
+        """Whether the fused CUDA kernels copy (else the torch path does)."""
+        return self._kernels
+
+    def _plan(
+        self, lists: list[list[int]], counts: list[int], views: list[torch.Tensor]
+    ) -> Launches | None:
+        """The kernels' launches for these runs (call on the stream that launches them),
+        or None: the torch path copies."""
+        if not self._kernels:
+            return None
+        plan = plan_copy(self._pages, lists, counts, views)
+        if isinstance(plan, str):
+            logger.debug("lmtier: the torch copy path moves this transfer (%s)", plan)
+            return None
+        return Launches(plan, self._pages.device)
+
     def start_load(
         self, chunks: Sequence[ChunkSource], block_ids: Sequence[BlockIds]
     ) -> LoadHandle:
         """Start loading ``chunks[j]`` into the blocks ``block_ids[j]`` (distinct over all j)."""
         pages, stream = self._pages, self._load_stream
         views, counts = _views(pages, [_as_tensor(chunk) for chunk in chunks])
+        lists = check_runs(pages, block_ids, counts, unique=True)
         if stream is None:
-            runs = _make_runs(pages, block_ids, counts, unique=True)
-            for view, run in zip(views, runs, strict=True):
-                _whole(pages, run, view, save=False)
+            for view, run in zip(views, make_runs(pages, lists, counts), strict=True):
+                whole_copy(pages, run, view, save=False)
             return LoadHandle(pages.num_layers, pages.device)
-        # CUDA path: per layer, one H2D copy per chunk and its scatter, then one event.
+        # CUDA path: per layer, the kernels' launch (reading the pinned chunks in place),
+        # or one H2D copy per chunk and its scatter; then one event.
         self._check_host_buffers(views)
         stream.wait_stream(torch.cuda.current_stream(pages.device))  # the blocks may be in use
         events = []
         with torch.cuda.stream(stream):
-            runs = _make_runs(pages, block_ids, counts, unique=True)
+            launches = self._plan(lists, counts, views)
+            runs = make_runs(pages, lists, counts) if launches is None else []
             for layer in range(pages.num_layers):
-                for view, run in zip(views, runs, strict=True):
-                    _scatter_run(view[layer], _layer(pages, layer), run, non_blocking=True)
+                if launches is not None:
+                    launches.launch(save=False, layer0=layer, num_layers=1, stream=stream)
+                else:
+                    for view, run in zip(views, runs, strict=True):
+                        scatter_run(view[layer], layer_view(pages, layer), run, non_blocking=True)
                 events.append(_record(stream, self._timing))
-        return LoadHandle(pages.num_layers, pages.device, tuple(events), keep=(views, runs))
+        keep = (views, launches or runs)
+        return LoadHandle(pages.num_layers, pages.device, tuple(events), keep=keep)
 
     def begin_save(self, block_ids: Sequence[BlockIds], outs: Sequence[torch.Tensor]) -> SaveHandle:
         """Prepare saving the runs ``block_ids[j]`` into ``outs[j]`` (chunk-layout tensors,
@@ -406,12 +374,13 @@ class TransferEngine:
         ``save_layer``/``save_all``."""
         pages, stream = self._pages, self._save_stream
         views, counts = _views(pages, outs)
+        lists = check_runs(pages, block_ids, counts, unique=False)
         if stream is None:
-            runs = _make_runs(pages, block_ids, counts, unique=False)
-            return SaveHandle(pages, runs, views, None, self._timing)
+            return SaveHandle(pages, make_runs(pages, lists, counts), views, None, self._timing)
         self._check_host_buffers(views)
         with torch.cuda.stream(stream):  # CUDA path: the ids are copied on the save stream
-            runs = _make_runs(pages, block_ids, counts, unique=False)
+            launches = self._plan(lists, counts, views)
+            runs = make_runs(pages, lists, counts) if launches is None else launches
         return SaveHandle(pages, runs, views, stream, self._timing)
 
     def fence_saves(self) -> None:

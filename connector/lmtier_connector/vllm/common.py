@@ -31,6 +31,7 @@ __all__ = [
     "ChunkLayout",
     "ChunkRefs",
     "ConnectorSettings",
+    "CopyKernels",
     "LMTierConnectorMetadata",
     "LMTierKVEvents",
     "LoadSpec",
@@ -56,6 +57,11 @@ PageInterior = Literal["flash", "cpu_attn"]
 axis (vLLM's GPU backends), or ``cpu_attn``, per block and head a K region then a V
 region (vLLM's CPU backend). Part of the namespace of ``page`` chunks."""
 
+CopyKernels = Literal["auto", "on", "off"]
+"""Whether the fused CUDA copy kernels move KV between pages and chunks
+(:mod:`lmtier_connector.device.kernels`): ``auto`` where cupy and a CUDA device are
+there (else torch's ops), ``on`` (refuse to start without them), ``off`` (torch's ops)."""
+
 AsyncLoads = Literal["auto", "always", "never"]
 """When loads run in the background (vLLM keeps the request waiting meanwhile):
 ``auto`` when the hit's expected read (its bytes over its tiers' measured rates) is
@@ -77,6 +83,7 @@ class ConnectorSettings:
     ``sidecar_token_file``), ``sidecar_shared_memory`` (default true) and
     ``sidecar_timeout_s`` (each call's deadline, default 10).
     ``chunk_layout`` (:data:`ChunkLayout`, default ``page``).
+    ``copy_kernels`` (:data:`CopyKernels`, default ``auto``).
     ``page_interior`` (:data:`PageInterior`; None, the default: from vLLM's platform,
     :func:`lmtier_connector.vllm.pages.page_interior_of`): the page interior to key
     ``page`` chunks by, for a platform the connector cannot identify whose backend holds
@@ -100,7 +107,14 @@ class ConnectorSettings:
     lookup_wait_ms: float = 2.0
     sync_load_max_ms: float = 20.0
     chunk_layout: ChunkLayout = "page"
+    copy_kernels: CopyKernels = "auto"
     page_interior: PageInterior | None = None
+
+    @property
+    def kernels(self) -> bool | None:
+        """``copy_kernels`` as :class:`~lmtier_connector.device.transfer.TransferEngine`
+        takes it: None (auto), True (required) or False."""
+        return {"auto": None, "on": True, "off": False}[self.copy_kernels]
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -108,7 +122,7 @@ class ConnectorSettings:
         known |= {"sidecar", "sidecar_token", "sidecar_token_file", "sidecar_shared_memory"}
         known |= {"sidecar_timeout_s"}
         known |= {"async_loads", "lookup_wait_ms", "sync_load_max_ms"}
-        known |= {"chunk_layout", "page_interior"}
+        known |= {"chunk_layout", "page_interior", "copy_kernels"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
@@ -141,6 +155,7 @@ class ConnectorSettings:
                 where=_WHERE,
             ),
             chunk_layout=_choice(extra.get("chunk_layout", "page"), "chunk_layout", ChunkLayout),
+            copy_kernels=_choice(extra.get("copy_kernels", "auto"), "copy_kernels", CopyKernels),
             page_interior=(
                 _choice(extra["page_interior"], "page_interior", PageInterior)
                 if "page_interior" in extra

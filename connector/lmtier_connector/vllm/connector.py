@@ -17,9 +17,10 @@ Options (``kv_connector_extra_config``; see :class:`ConnectorSettings`):
 ``config_path`` (an lmtier YAML file, else ``$LMTIER_CONFIG``), ``config``
 (overrides of it), ``vllm_block_hashes`` (default true), ``save_decode_tokens``,
 ``chunk_layout`` (``page``: chunks in the pages' own order, so saves and loads are
-block copies; ``LKTHD``: the HF adapter's layout), ``page_interior`` (``flash`` or
-``cpu_attn``: declares the page interior instead of taking it from vLLM's platform),
-``async_loads`` and
+block copies; ``LKTHD``: the HF adapter's layout), ``copy_kernels`` (``auto``: the
+fused CUDA kernels where cupy and a GPU are there; ``on``; ``off``), ``page_interior``
+(``flash`` or ``cpu_attn``: declares the page interior instead of taking it from vLLM's
+platform), ``async_loads`` and
 ``lookup_wait_ms`` (loads and lookups off the scheduling step),
 ``sidecar`` (``unix:///run/lmtier/sidecar.sock``: every process uses that
 ``lmtier serve`` through :func:`lmtier.connect` instead of opening tiers of
@@ -201,10 +202,11 @@ class LMTierConnector(KVConnectorBase_V1, SupportsHMA):
         elif role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(cache, settings, block_size, num_savers=savers)
         elif groups:
-            workers = [WorkerHalf(c, block_size) for c in group_caches]
+            workers = [WorkerHalf(c, block_size, kernels=settings.kernels) for c in group_caches]
             self._worker = HybridWorker(workers, groups)
         else:
-            self._worker = WorkerHalf(cache, block_size, saves=not mla or rank == 0)
+            saves = not mla or rank == 0
+            self._worker = WorkerHalf(cache, block_size, saves=saves, kernels=settings.kernels)
 
     # ---- helpers -------------------------------------------------------------------
 

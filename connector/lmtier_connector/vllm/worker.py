@@ -116,8 +116,11 @@ def enable_amx_tiles() -> bool:
 class WorkerHalf:
     """Worker-side state and logic; :class:`LMTierConnector` delegates to it."""
 
-    def __init__(self, cache: LMTier, block_size: int, *, saves: bool = True) -> None:
+    def __init__(
+        self, cache: LMTier, block_size: int, *, saves: bool = True, kernels: bool | None = None
+    ) -> None:
         self.cache = cache
+        self.kernels = kernels  # the fused copy kernels: None auto, True required, False off
         self.spec: KVSpec = cache.kv_spec
         self.block_size = block_size
         self.saves = saves  # False on MLA ranks other than 0: one copy of the latent
@@ -164,10 +167,11 @@ class WorkerHalf:
             )
         self._kernel_blocks = self.block_size // pages.block_size
         self._layer_index = {name: index for index, name in enumerate(names)}
-        self.pages, self.engine = pages, TransferEngine(pages)
+        self.pages, self.engine = pages, TransferEngine(pages, kernels=self.kernels)
         if pages.device.type == "cpu":
             enable_amx_tiles()
-        logger.info("lmtier: registered %d KV layers as %r", len(names), pages)
+        path = "fused CUDA kernels" if self.engine.kernels else "torch ops"
+        logger.info("lmtier: registered %d KV layers as %r; %s copy", len(names), pages, path)
 
     def _engine(self) -> TransferEngine:
         if self.engine is None:

@@ -1,0 +1,157 @@
+"""Loading and launching the fused copy kernels with cupy, on the transfer engine's streams.
+
+:func:`kernels_unavailable` says why the kernels cannot run for a device (None when
+they can): cupy missing, no CUDA device, a device that cannot use host pointers of
+registered memory in kernels (the shared-memory pools of sidecar clients are
+registered, not allocated, pinned memory), or a source NVRTC refused. The transfer
+engine (:mod:`lmtier_connector.device.transfer`) asks once, at construction, and uses
+the torch path otherwise.
+
+:class:`Launches` holds one plan's int64 words on the device (copied on the stream
+that will use them, from pinned memory, ``non_blocking``) and launches the kernel of
+the plan's vector width for any layer range, on any torch CUDA stream.
+
+:func:`compile_source` compiles ``kv_copy.cu`` through NVRTC for an architecture with
+no device and no driver: the CI check that the source builds for sm_80 and sm_90.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmtier_connector.device.kernels.plan import MAX_WORK, CopyPlan
+
+__all__ = [
+    "KERNEL_NAMES",
+    "Launches",
+    "compile_source",
+    "kernel_source",
+    "kernels_unavailable",
+]
+
+logger = logging.getLogger(__name__)
+
+THREADS = 256
+"""Threads per block: eight warps, each thread one vector of one row at a time."""
+MAX_BLOCKS = 4096
+"""Blocks per chunk of a launch; past it the kernels loop (grid-stride)."""
+KERNEL_NAMES = tuple(
+    f"lmtier_kv_{way}_{width}" for way in ("save", "load") for width in (16, 8, 4, 2, 1)
+)
+OPTIONS = ("--std=c++17",)
+_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+
+
+def kernel_source() -> str:
+    """The CUDA C source of the kernels (``kv_copy.cu``, shipped with the package)."""
+    return (importlib.resources.files(__package__) / "kv_copy.cu").read_text()
+
+
+def compile_source(arch: str) -> bytes:
+    """Compile the kernels with NVRTC for ``arch`` (``"sm_90"``: a cubin; ``"compute_90"``:
+    PTX), needing neither a device nor a driver. ``RuntimeError`` with NVRTC's log when
+    the source does not compile."""
+    # The NVRTC binding alone: no driver needed. Optional (the `cuda` extra).
+    from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+
+    program = nvrtc.createProgram(kernel_source(), "kv_copy.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [*OPTIONS, f"--gpu-architecture={arch}"])
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"kv_copy.cu does not compile for {arch}: {exc}\n{log}") from exc
+        return bytes(nvrtc.getCUBIN(program) if arch.startswith("sm_") else nvrtc.getPTX(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def _cupy() -> Any:
+    import cupy  # noqa: PLC0415 - optional: the `cuda` extra
+
+    return cupy
+
+
+@functools.cache
+def _module(device: int) -> Any:
+    """The compiled module for one device (NVRTC through cupy, cached on disk by cupy)."""
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=kernel_source(), options=OPTIONS)
+        module.compile()
+        return module
+
+
+def kernels_unavailable(device: torch.device) -> str | None:
+    """Why the fused kernels cannot run on ``device``, or None when they can."""
+    if device.type != "cuda":
+        return f"the pages are on {device.type}, not CUDA"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    try:
+        cupy = _cupy()
+    except ImportError as exc:
+        return f"cupy is not installed (pip install 'lmtier[cuda]'): {exc}"
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    try:
+        if not cupy.cuda.runtime.deviceGetAttribute(_CAN_USE_HOST_POINTER, index):
+            return "the device cannot use host pointers of registered memory in kernels"
+        _module(index)
+    except Exception as exc:  # a driver, NVRTC or compile failure: the torch path copies
+        return f"the kernels did not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+class Launches:
+    """One plan's words on the device, and its launches.
+
+    Make it under ``torch.cuda.stream(s)`` of the stream that launches: the words are
+    copied there, so every launch on ``s`` sees them. Keep it (and the chunks) alive
+    until the launches finished.
+    """
+
+    __slots__ = ("_device", "_ids", "_layers", "_plan", "_table", "_words")
+
+    def __init__(self, plan: CopyPlan, device: torch.device) -> None:
+        self._plan = plan
+        self._device = torch.device(device)
+        words = torch.tensor(plan.words(), dtype=torch.int64).pin_memory()
+        self._words = words.to(device, non_blocking=True)
+        table, ids = plan.offsets()
+        base = self._words.data_ptr()
+        self._layers, self._table, self._ids = base, base + 8 * table, base + 8 * ids
+
+    @property
+    def plan(self) -> CopyPlan:
+        return self._plan
+
+    def launch(self, *, save: bool, layer0: int, num_layers: int, stream: Any) -> None:
+        """Copy layers ``layer0 .. layer0 + num_layers - 1`` of every chunk on ``stream``
+        (a torch CUDA stream): pages to chunks when ``save``, else chunks to pages."""
+        plan = self._plan
+        work = plan.work(num_layers)
+        if not 0 <= layer0 < layer0 + num_layers <= plan.num_layers or work > MAX_WORK:
+            raise ValueError(f"layers {layer0}+{num_layers} of a {plan.num_layers}-layer plan")
+        cupy = _cupy()
+        index = self._device.index if self._device.index is not None else 0
+        kernel = _module(index).get_function(f"lmtier_kv_{'save' if save else 'load'}_{plan.width}")
+        blocks = max(1, min(MAX_BLOCKS, -(-work // THREADS)))
+        args = (
+            np.uint64(self._layers),
+            np.uint64(self._table),
+            np.uint64(self._ids),
+            np.int32(layer0),
+            np.int32(num_layers),
+            *(np.int32(v) for v in plan.scalars()[:4]),
+            *(np.int64(v) for v in plan.scalars()[4:]),
+        )
+        with cupy.cuda.Device(index):
+            external = cupy.cuda.ExternalStream(stream.cuda_stream, index)
+            kernel((blocks, plan.num_chunks), (THREADS,), args, stream=external)
