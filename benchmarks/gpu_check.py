@@ -103,6 +103,17 @@ def transfer(timeout_s: float) -> Result:
     return run_script("bench_transfer.py", ["--quick", "--device", "cuda"], timeout_s)
 
 
+@check("copy_kernels", timeout_s=240)
+def copy_kernels(timeout_s: float) -> Result:
+    """The fused copy kernels vs the torch path (save, load, overlap) on an 8B-class
+    model's request, against a pinned copy; both paths bit-exact."""
+    result = run_script("bench_copy_kernels.py", ["--quick"], timeout_s)
+    figures = result.get("cuda")
+    if result["ok"] and not (isinstance(figures, dict) and figures.get("bit_exact")):
+        result["ok"] = False  # nothing measured (no cupy?), or the paths differ
+    return result
+
+
 @check("vllm_connector", timeout_s=240)
 def vllm_connector(timeout_s: float) -> Result:
     """Worker-side save/load of the vLLM connector on CUDA pages (needs vLLM importable)."""

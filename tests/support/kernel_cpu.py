@@ -2,11 +2,9 @@
 
 The kernels include nothing, so defining CUDA's keywords, its vector types and the
 built-in ``blockIdx``/``blockDim``/``threadIdx``/``gridDim`` makes the file plain C++.
-:func:`cpu_kernels` builds a shared library whose ``lmtier_emulate`` runs one kernel
-over a whole grid, thread after thread, and returns a function that launches a
-:class:`CopyPlan` the way :class:`lmtier_connector.device.kernels.cuda.Launches` does
-(same words, same arguments), on CPU tensors. A small grid makes the kernels' grid-
-stride loop run several rounds.
+:class:`CpuKernels` builds a shared library whose ``lmtier_emulate`` runs one kernel
+over a whole grid, thread after thread, on CPU tensors; a small grid makes the kernels'
+grid-stride loop run several rounds.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -80,43 +78,63 @@ extern "C" long long lmtier_emulate(
 }
 """
 
-Launch = Callable[..., None]
 
+class CpuKernels:
+    """``kv_copy.cu`` compiled by g++ in a work folder, launched like cupy launches it.
 
-def cpu_kernels(workdir: Path) -> Launch:
-    """Compile the harness in ``workdir``; return ``launch(plan, tensors, save=, layer0=,
-    num_layers=, grid=(x, block_x))``: an AssertionError when a unit lies outside the
-    storages of ``tensors`` (such units are not copied)."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("g++ is needed to run kv_copy.cu on the CPU")
-    (workdir / "kv_copy.cu").write_text(kernel_source())
-    (workdir / "harness.cpp").write_text(HARNESS)
-    library = workdir / "kv_copy_cpu.so"
-    subprocess.run(
-        [
-            compiler,
-            "-O1",
-            "-std=c++17",
-            "-shared",
-            "-fPIC",
-            "-Wall",
-            "-Werror",
-            "-Wno-unused-variable",
-            "-o",
-            str(library),
-            str(workdir / "harness.cpp"),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    emulate = ctypes.CDLL(str(library)).lmtier_emulate
-    i64, i32, u32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_void_p
-    emulate.argtypes = [ptr, i32, i32, u32, u32, u32, ptr, ptr, ptr, *([i32] * 6), *([i64] * 7)]
-    emulate.restype = i64
+    :meth:`run` takes what a cupy kernel call takes (grid, block, the argument tuple);
+    :meth:`launch` builds those from a plan as the engine's launches do. Both raise an
+    AssertionError when a unit lies outside the storages of ``tensors`` (such units are
+    not copied).
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        compiler = shutil.which("g++")
+        if compiler is None:
+            raise RuntimeError("g++ is needed to run kv_copy.cu on the CPU")
+        (workdir / "kv_copy.cu").write_text(kernel_source())
+        (workdir / "harness.cpp").write_text(HARNESS)
+        library = workdir / "kv_copy_cpu.so"
+        flags = ["-O1", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror"]
+        command = [compiler, *flags, "-o", str(library), str(workdir / "harness.cpp")]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        self._emulate = ctypes.CDLL(str(library)).lmtier_emulate
+        i64, i32, u32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32, ctypes.c_void_p
+        self._emulate.argtypes = [
+            ptr,
+            i32,
+            i32,
+            u32,
+            u32,
+            u32,
+            ptr,
+            ptr,
+            ptr,
+            *([i32] * 6),
+            *([i64] * 7),
+        ]
+        self._emulate.restype = i64
+
+    def run(
+        self,
+        name: str,
+        grid: tuple[int, int],
+        block: tuple[int],
+        args: Sequence[object],
+        tensors: Sequence[torch.Tensor],
+    ) -> None:
+        """One launch of kernel ``name``: ``grid`` (x, y), ``block`` (x,), ``args``."""
+        storages = [tensor.untyped_storage() for tensor in tensors]
+        spans = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages]
+        allowed = torch.tensor([edge for span in spans for edge in span], dtype=torch.int64)
+        numbers = [int(arg) for arg in args]  # type: ignore[call-overload]
+        strays = self._emulate(
+            allowed.data_ptr(), len(spans), KERNEL_NAMES.index(name), *grid, *block, *numbers
+        )
+        assert strays == 0, f"{strays} units outside the tensors the launch may touch"
 
     def launch(
+        self,
         plan: CopyPlan,
         tensors: Sequence[torch.Tensor],
         *,
@@ -125,28 +143,13 @@ def cpu_kernels(workdir: Path) -> Launch:
         num_layers: int | None = None,
         grid: tuple[int, int] = (3, 32),
     ) -> None:
+        """Layers ``layer0 ..`` (all by default) of ``plan``, on ``grid`` = (blocks per
+        chunk, threads per block)."""
         count = plan.num_layers - layer0 if num_layers is None else num_layers
         words = torch.tensor(plan.words(), dtype=torch.int64)
         table, ids = plan.offsets()
         base = words.data_ptr()
-        storages = [tensor.untyped_storage() for tensor in tensors]
-        spans = [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages]
-        allowed = torch.tensor([edge for span in spans for edge in span], dtype=torch.int64)
-        which = KERNEL_NAMES.index(f"lmtier_kv_{'save' if save else 'load'}_{plan.width}")
-        strays = emulate(
-            allowed.data_ptr(),
-            len(spans),
-            which,
-            grid[0],
-            plan.num_chunks,
-            grid[1],
-            base,
-            base + 8 * table,
-            base + 8 * ids,
-            layer0,
-            count,
-            *plan.scalars(),
-        )
-        assert strays == 0, f"{strays} units outside the tensors the launch may touch"
-
-    return launch
+        pointers = (base, base + 8 * table, base + 8 * ids)
+        name = f"lmtier_kv_{'save' if save else 'load'}_{plan.width}"
+        args = (*pointers, layer0, count, *plan.scalars())
+        self.run(name, (grid[0], plan.num_chunks), (grid[1],), args, tensors)

@@ -29,12 +29,12 @@ from lmtier_connector.device.kernels.plan import CopyPlan
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import TransferEngine, gather
 from support.copy_cases import FEW, bits, check_against_torch, make_case, randomize
-from support.kernel_cpu import Launch, cpu_kernels
+from support.kernel_cpu import CpuKernels
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    return cpu_kernels(tmp_path_factory.mktemp("kv_copy"))
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    return CpuKernels(tmp_path_factory.mktemp("kv_copy"))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "compute_90"])
@@ -58,10 +58,10 @@ def test_a_source_nvrtc_refuses_is_a_runtime_error_with_its_log(
 @FEW
 @given(data=st.data(), layer_by_layer=st.booleans(), grid=st.sampled_from([(1, 32), (3, 64)]))
 def test_the_cuda_source_run_on_the_cpu_moves_what_the_torch_path_moves(
-    kernels: Launch, data: st.DataObject, layer_by_layer: bool, grid: tuple[int, int]
+    kernels: CpuKernels, data: st.DataObject, layer_by_layer: bool, grid: tuple[int, int]
 ) -> None:
     def run(plan: CopyPlan, tensors: list[torch.Tensor], **how: int) -> None:
-        kernels(plan, tensors, grid=grid, **how)
+        kernels.launch(plan, tensors, grid=grid, **how)
 
     check_against_torch(make_case(data), run, layer_by_layer)
 
@@ -97,7 +97,7 @@ class Event:
 
 
 def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
-    kernels: Launch, monkeypatch: pytest.MonkeyPatch
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log: list[str] = []
     current = [Stream("compute", log)]
@@ -116,7 +116,7 @@ def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
             assert stream is current[-1]  # launched on the stream it was made for
             log.append(f"{stream.name} {'saves' if save else 'loads'} {layer0}+{num_layers}")
             touched = [*(pages.layer(i) for i in range(3)), *chunks, *outs]
-            kernels(self.plan, touched, save=save, layer0=layer0, num_layers=num_layers)
+            kernels.launch(self.plan, touched, save=save, layer0=layer0, num_layers=num_layers)
 
     monkeypatch.setattr(torch.cuda, "stream", use)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
@@ -176,3 +176,36 @@ def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
     ]
     assert not [entry for entry in log if entry.startswith("compute")]  # never waits on saves
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, chunks, strict=True))
+
+
+@FEW
+@given(data=st.data(), layer_by_layer=st.booleans())
+def test_the_launches_pass_what_the_kernels_take(
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, layer_by_layer: bool
+) -> None:
+    """The engine's own :class:`Launches` (its argument tuple, grid and kernel choice),
+    with cupy's launch replaced by the C++ build of the kernels: layer by layer and whole,
+    both ways, as the torch path moves them."""
+    touched: list[torch.Tensor] = []
+
+    def function(device: int, name: str) -> object:
+        def call(grid: tuple[int, int], block: tuple[int], args: tuple[object, ...]) -> None:
+            assert block == (cuda.THREADS,) and 1 <= grid[0] <= 2 * cuda.BLOCKS_PER_SM
+            kernels.run(name, grid, block, args, touched)
+
+        return call
+
+    fake_cupy = type("cupy", (), {"cuda": type("cuda", (), {"Device": contextlib.nullcontext})})
+    monkeypatch.setattr(cuda, "_function", function)
+    monkeypatch.setattr(cuda, "_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(cuda, "_stream", lambda handle, device: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "_multiprocessors", lambda device: 2)
+    stream = type("Stream", (), {"cuda_stream": 0})()
+
+    def run(plan: CopyPlan, tensors: list[torch.Tensor], **how: int) -> None:
+        touched[:] = tensors
+        launches = cuda.Launches(plan, torch.device("cpu"))
+        touched.append(launches._words)
+        launches.launch(stream=stream, **how)  # type: ignore[arg-type]
+
+    check_against_torch(make_case(data), run, layer_by_layer)

@@ -39,8 +39,11 @@ logger = logging.getLogger(__name__)
 
 THREADS = 256
 """Threads per block: eight warps, each thread one vector of one row at a time."""
-MAX_BLOCKS = 4096
-"""Blocks per chunk of a launch; past it the kernels loop (grid-stride)."""
+BLOCKS_PER_SM = 4
+"""Blocks of one launch, all chunks together, per multiprocessor; past it the kernels
+loop (grid-stride). Enough threads to keep the bus busy (a 16-byte read each: 132 SMs
+make ~2 MB in flight), few enough to leave the SMs to a layer's compute while a
+layer-wise load runs beside it."""
 KERNEL_NAMES = tuple(
     f"lmtier_kv_{way}_{width}" for way in ("save", "load") for width in (16, 8, 4, 2, 1)
 )
@@ -88,6 +91,11 @@ def _module(device: int) -> Any:
         return module
 
 
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def kernels_unavailable(device: torch.device) -> str | None:
     """Why the fused kernels cannot run on ``device``, or None when they can."""
     if device.type != "cuda":
@@ -97,7 +105,7 @@ def kernels_unavailable(device: torch.device) -> str | None:
     try:
         cupy = _cupy()
     except ImportError as exc:
-        return f"cupy is not installed (pip install 'lmtier[cuda]'): {exc}"
+        return f"cupy is not installed (pip install -e '.[cuda]'): {exc}"
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     try:
@@ -117,13 +125,18 @@ class Launches:
     until the launches finished.
     """
 
-    __slots__ = ("_device", "_ids", "_layers", "_plan", "_table", "_words")
+    __slots__ = ("_ids", "_index", "_layers", "_plan", "_table", "_words")
 
     def __init__(self, plan: CopyPlan, device: torch.device) -> None:
         self._plan = plan
-        self._device = torch.device(device)
-        words = torch.tensor(plan.words(), dtype=torch.int64).pin_memory()
-        self._words = words.to(device, non_blocking=True)
+        words = torch.tensor(plan.words(), dtype=torch.int64)
+        self._index = 0  # the device's (a CPU device: the tests' C++ build of the kernels)
+        if device.type == "cuda":
+            index = device.index
+            self._index = torch.cuda.current_device() if index is None else index
+            # Pinned and non_blocking: ordered on the stream, the host does not wait.
+            words = words.pin_memory().to(device, non_blocking=True)
+        self._words = words
         table, ids = plan.offsets()
         base = self._words.data_ptr()
         self._layers, self._table, self._ids = base, base + 8 * table, base + 8 * ids
@@ -139,10 +152,10 @@ class Launches:
         work = plan.work(num_layers)
         if not 0 <= layer0 < layer0 + num_layers <= plan.num_layers or work > MAX_WORK:
             raise ValueError(f"layers {layer0}+{num_layers} of a {plan.num_layers}-layer plan")
-        cupy = _cupy()
-        index = self._device.index if self._device.index is not None else 0
-        kernel = _module(index).get_function(f"lmtier_kv_{'save' if save else 'load'}_{plan.width}")
-        blocks = max(1, min(MAX_BLOCKS, -(-work // THREADS)))
+        index = self._index
+        kernel = _function(index, f"lmtier_kv_{'save' if save else 'load'}_{plan.width}")
+        budget = max(1, _multiprocessors(index) * BLOCKS_PER_SM // plan.num_chunks)
+        blocks = max(1, min(budget, -(-work // THREADS)))
         args = (
             np.uint64(self._layers),
             np.uint64(self._table),
@@ -152,6 +165,32 @@ class Launches:
             *(np.int32(v) for v in plan.scalars()[:4]),
             *(np.int64(v) for v in plan.scalars()[4:]),
         )
-        with cupy.cuda.Device(index):
-            external = cupy.cuda.ExternalStream(stream.cuda_stream, index)
-            kernel((blocks, plan.num_chunks), (THREADS,), args, stream=external)
+        with _cupy().cuda.Device(index), _stream(int(stream.cuda_stream), index):
+            kernel((blocks, plan.num_chunks), (THREADS,), args)
+
+
+@functools.cache
+def _function(device: int, name: str) -> Any:
+    return _module(device).get_function(name)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int, device: int) -> Any:
+    """A cupy stream over a torch stream's handle: kernels launched in it run on that
+    stream. (torch reuses a small pool of streams, so the handles are few.)"""
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        if from_external is not None:  # cupy >= 14
+            return from_external(_StreamHandle(handle))
+        return cupy.cuda.ExternalStream(handle, device)
