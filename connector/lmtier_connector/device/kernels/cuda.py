@@ -165,6 +165,8 @@ class Launches:
             *(np.int32(v) for v in plan.scalars()[:4]),
             *(np.int64(v) for v in plan.scalars()[4:]),
         )
+        if self._words.is_cuda:  # the allocator keeps the words until the stream is past
+            self._words.record_stream(stream)
         with _cupy().cuda.Device(index), _stream(int(stream.cuda_stream), index):
             kernel((blocks, plan.num_chunks), (THREADS,), args)
 
