@@ -23,7 +23,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmtier.kv_spec import KVSpec
-from lmtier_connector.device import transfer
 from lmtier_connector.device.kernels import cuda
 from lmtier_connector.device.kernels.plan import CopyPlan
 from lmtier_connector.device.paged_kv import PagedKVCache
@@ -121,7 +120,7 @@ def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
     monkeypatch.setattr(torch.cuda, "stream", use)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: Event(log))
-    monkeypatch.setattr(transfer, "Launches", Launches)
+    monkeypatch.setattr(cuda, "Launches", Launches)
 
     spec = KVSpec(3, 2, 8, "bfloat16")
     source = PagedKVCache(spec, 16, 4)

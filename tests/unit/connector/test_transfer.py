@@ -496,8 +496,8 @@ def test_cuda_branches_follow_the_stream_protocol(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch.cuda, "stream", use)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(log))
-    monkeypatch.setattr(transfer, "scatter_run", traced(transfer.scatter_run, "scatters"))
-    monkeypatch.setattr(transfer, "gather_run", traced(transfer.gather_run, "gathers"))
+    monkeypatch.setattr(transfer, "_scatter_run", traced(transfer._scatter_run, "scatters"))
+    monkeypatch.setattr(transfer, "_gather_run", traced(transfer._gather_run, "gathers"))
 
     spec = KVSpec(L, H, D, "float16")
     source = PagedKVCache(spec, N, 4)

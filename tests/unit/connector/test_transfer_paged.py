@@ -17,7 +17,7 @@ from lmtier.chunks.format import decode
 from lmtier.chunks.keys import ChunkKey
 from lmtier.kv_spec import KVSpec, chunk_tensor, payload_tensor, seal_slab
 from lmtier.storage.host_pool import HostPool
-from lmtier_connector.device import page_copy, runs, transfer
+from lmtier_connector.device import page_copy, transfer
 from lmtier_connector.device.paged_kv import PagedKVCache, paged_chunk_layout
 from lmtier_connector.device.transfer import (
     TransferEngine,
@@ -94,7 +94,7 @@ def index_copy_scatters(monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             page_copy.index_copy_blocks(pages, ids, blocks)
 
-    monkeypatch.setattr(runs, "write_blocks", write)
+    monkeypatch.setattr(transfer, "write_blocks", write)
 
 
 @pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "index_copy"])
@@ -285,7 +285,7 @@ def test_cuda_branches_move_paged_chunks_layer_by_layer(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    for name in ("scatter_run", "gather_run"):
+    for name in ("_scatter_run", "_gather_run"):
         original = getattr(transfer, name)
 
         def traced(
@@ -305,14 +305,14 @@ def test_cuda_branches_move_paged_chunks_layer_by_layer(monkeypatch: pytest.Monk
     chunks = [reference(layers, "LBSHC", [1, 2]), reference(layers, "LBSHC", [7, 3])]
     load = engine.start_load(chunks, [[10, 11], [20, 5]])
     load.wait()
-    assert calls == ["wait"] + ["scatter_run", "scatter_run", "record"] * L + ["wait_event"]
+    assert calls == ["wait"] + ["_scatter_run", "_scatter_run", "record"] * L + ["wait_event"]
     assert all(same_bits(layer[[10, 11, 20, 5]], layer[[1, 2, 7, 3]]) for layer in layers)
     calls.clear()
     outs = [torch.zeros_like(chunk) for chunk in chunks]
     save = engine.begin_save([[10, 11], [20, 5]], outs)
     save.save_all()
     save.wait()
-    assert calls == ["wait", "gather_run", "gather_run", "record"] * L + ["sync"]
+    assert calls == ["wait", "_gather_run", "_gather_run", "record"] * L + ["sync"]
     assert all(same_bits(a, b) for a, b in zip(outs, chunks, strict=True))
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmtier_connector.device.kernels.plan import MAX_WORK, CopyPlan
+from lmtier_connector.device.kernels.plan import MAX_WORK, CopyPlan, plan_copy
+from lmtier_connector.device.paged_kv import PagedKVCache
 
 __all__ = [
     "KERNEL_NAMES",
@@ -33,6 +34,8 @@ __all__ = [
     "compile_source",
     "kernel_source",
     "kernels_unavailable",
+    "launches_for",
+    "use_kernels",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,7 +51,6 @@ KERNEL_NAMES = tuple(
     f"lmtier_kv_{way}_{width}" for way in ("save", "load") for width in (16, 8, 4, 2, 1)
 )
 OPTIONS = ("--std=c++17",)
-_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 def kernel_source() -> str:
@@ -109,12 +111,40 @@ def kernels_unavailable(device: torch.device) -> str | None:
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     try:
-        if not cupy.cuda.runtime.deviceGetAttribute(_CAN_USE_HOST_POINTER, index):
+        can_use = cupy.cuda.runtime.cudaDevAttrCanUseHostPointerForRegisteredMem
+        if not cupy.cuda.runtime.deviceGetAttribute(can_use, index):
             return "the device cannot use host pointers of registered memory in kernels"
         _module(index)
     except Exception as exc:  # a driver, NVRTC or compile failure: the torch path copies
         return f"the kernels did not load: {type(exc).__name__}: {exc}"
     return None
+
+
+def use_kernels(device: torch.device, wanted: bool | None) -> bool:
+    """Whether a transfer engine on ``device`` copies with the kernels: ``wanted`` None
+    where they run (saying why not, once, on CUDA), True where they run or a
+    ``RuntimeError`` saying why not, False never."""
+    if wanted is False:
+        return False
+    why = kernels_unavailable(device)
+    if why is not None and wanted:
+        raise RuntimeError(f"the fused copy kernels were asked for, but {why}")
+    if why is not None and device.type == "cuda":
+        logger.info("lmtier: the torch copy path moves KV (%s)", why)
+    return why is None
+
+
+def launches_for(
+    pages: PagedKVCache, runs: list[list[int]], counts: list[int], chunks: list[torch.Tensor]
+) -> Launches | None:
+    """The launches that copy these checked runs to or from ``chunks`` (chunk views),
+    their words copied on the current stream; None when the kernels cannot address
+    them (:func:`plan_copy` says why, logged at debug level)."""
+    plan = plan_copy(pages, runs, counts, chunks)
+    if isinstance(plan, str):
+        logger.debug("lmtier: the torch copy path moves this transfer (%s)", plan)
+        return None
+    return Launches(plan, pages.device)
 
 
 class Launches:
