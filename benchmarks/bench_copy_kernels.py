@@ -32,7 +32,17 @@ import random
 from typing import Any
 
 import torch
-from bench_transfer import BIG, BLOCK, CHUNK, POOL_BLOCKS, TOKENS, chunk_slabs, close, median_s
+from bench_transfer import (
+    BIG,
+    BLOCK,
+    CHUNK,
+    POOL_BLOCKS,
+    TOKENS,
+    chunk_slabs,
+    close,
+    median_s,
+    pinned_copy_s,
+)
 from bench_transfer import payloads as slab_payloads
 
 from lmtier.kv_spec import KVSpec
@@ -167,11 +177,7 @@ def overlap(
 def bus_baseline(repeats: int) -> dict[str, float]:
     """A pinned host <-> device copy of the request's bytes, contiguous."""
     nbytes = TOKENS * BIG.bytes_per_token
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    sync = torch.cuda.synchronize
-    h2d = median_s(lambda: device.copy_(host, non_blocking=True), repeats, sync)
-    d2h = median_s(lambda: host.copy_(device, non_blocking=True), repeats, sync)
+    h2d, d2h = pinned_copy_s(nbytes, repeats)
     return {
         "pinned_h2d_gb_s": round(nbytes / h2d / 1e9, 2),
         "pinned_d2h_gb_s": round(nbytes / d2h / 1e9, 2),

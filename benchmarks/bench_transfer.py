@@ -142,17 +142,25 @@ def bench_cpu(repeats: int) -> dict[str, float]:
     }
 
 
+def pinned_copy_s(nbytes: int, repeats: int) -> tuple[float, float]:
+    """Seconds of a pinned host -> device and a device -> host copy of ``nbytes``,
+    contiguous: the bus's bandwidth as torch sees it (the CUDA baseline)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    sync = torch.cuda.synchronize
+    h2d = median_s(lambda: device.copy_(host, non_blocking=True), repeats, sync)
+    d2h = median_s(lambda: host.copy_(device, non_blocking=True), repeats, sync)
+    return h2d, d2h
+
+
 def bench_cuda_bandwidth(repeats: int) -> dict[str, float]:
     pages, runs = request(SPEC, "cuda")
     engine = TransferEngine(pages)
     pool, slabs = chunk_slabs(SPEC)
     outs = payloads(slabs)
     nbytes = TOKENS * SPEC.bytes_per_token
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     sync = torch.cuda.synchronize
-    h2d = median_s(lambda: device.copy_(host, non_blocking=True), repeats, sync)
-    d2h = median_s(lambda: host.copy_(device, non_blocking=True), repeats, sync)
+    h2d, d2h = pinned_copy_s(nbytes, repeats)
     load = median_s(lambda: engine.start_load(outs, runs).wait(), repeats, sync)
 
     def save_all_layers() -> None:

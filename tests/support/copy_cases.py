@@ -15,26 +15,14 @@ from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.kernels.plan import CopyPlan, plan_copy
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import gather, scatter
+from support.kv_bits import bits, randomize
 
 L, N, H, D = 3, 20, 2, 8  # layers, blocks, KV heads, head dim
 DTYPES = ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"]
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 VLLM_ORDERS = [(0, 1, 2, 3, 4), (0, 1, 3, 2, 4), (0, 2, 1, 3, 4), (1, 0, 2, 3, 4), (1, 0, 3, 2, 4)]
 PAGES = ["own", "nhsc", "separate", "nkshd"]
 MANY = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
-
-def randomize(t: torch.Tensor, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    raw = bits(t)
-    info = torch.iinfo(raw.dtype)
-    raw.copy_(torch.randint(info.min, info.max, raw.shape, generator=gen, dtype=raw.dtype))
-    return t
 
 
 def make_pages(data: st.DataObject, spec: KVSpec, block_size: int) -> PagedKVCache:

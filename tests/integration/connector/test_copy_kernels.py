@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,8 +26,10 @@ from lmtier_connector.device.kernels import cuda
 from lmtier_connector.device.kernels.plan import CopyPlan
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import TransferEngine, gather
-from support.copy_cases import FEW, bits, check_against_torch, make_case, randomize
+from support.copy_cases import FEW, check_against_torch, make_case
+from support.fake_streams import FakeStream, fake_cuda
 from support.kernel_cpu import CpuKernels
+from support.kv_bits import bits, randomize
 
 
 @pytest.fixture(scope="module")
@@ -68,112 +69,77 @@ def test_the_cuda_source_run_on_the_cpu_moves_what_the_torch_path_moves(
 # ---- the engine's kernel branches -------------------------------------------------------
 
 
-class Stream:
-    """Stands in for a torch CUDA stream: records what waits on what."""
-
-    def __init__(self, name: str, log: list[str]) -> None:
-        self.name, self.log = name, log
-
-    def wait_stream(self, other: Stream) -> None:
-        self.log.append(f"{self.name} waits for {other.name}")
-
-    def wait_event(self, event: Event) -> None:
-        self.log.append(f"{self.name} waits for {event.name}")
-
-
-class Event:
-    def __init__(self, log: list[str]) -> None:
-        self.log, self.name = log, f"event{sum('records' in entry for entry in log)}"
-
-    def record(self, stream: Stream) -> None:
-        self.log.append(f"{stream.name} records {self.name}")
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        self.log.append(f"host waits for {self.name}")
-
-
 def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
     kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    log: list[str] = []
-    current = [Stream("compute", log)]
-
-    @contextlib.contextmanager
-    def use(stream: Stream) -> Iterator[None]:
-        current.append(stream)
-        yield
-        current.pop()
+    """The engine's kernel branches on CPU tensors (stand-in streams and events; the
+    C++-compiled kernels as its launches): the load stream waits for compute once, then
+    launches and records an event per layer; compute waits on the event of the layer it
+    asks for; a whole save is one launch after the save stream waited for compute; a
+    save layer by layer one launch per layer; compute never waits on a save."""
+    log: list[tuple[str, ...]] = []
+    current = fake_cuda(monkeypatch, log)
 
     class Launches:  # the C++-compiled kernels in place of cupy's launches
         def __init__(self, plan: CopyPlan, device: torch.device) -> None:
             self.plan = plan
 
-        def launch(self, *, save: bool, layer0: int, num_layers: int, stream: Stream) -> None:
+        def launch(self, *, save: bool, layer0: int, num_layers: int, stream: FakeStream) -> None:
             assert stream is current[-1]  # launched on the stream it was made for
-            log.append(f"{stream.name} {'saves' if save else 'loads'} {layer0}+{num_layers}")
+            what = "saves" if save else "loads"
+            log.append((stream.name, what, f"{layer0}+{num_layers}"))
             touched = [*(pages.layer(i) for i in range(3)), *chunks, *outs]
             kernels.launch(self.plan, touched, save=save, layer0=layer0, num_layers=num_layers)
 
-    monkeypatch.setattr(torch.cuda, "stream", use)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: Event(log))
     monkeypatch.setattr(cuda, "Launches", Launches)
 
     spec = KVSpec(3, 2, 8, "bfloat16")
     source = PagedKVCache(spec, 16, 4)
     for layer in range(3):
         randomize(source.layer(layer), layer)
-    chunks = [
-        torch.empty(spec.shape(8), dtype=torch.bfloat16),
-        torch.empty(spec.shape(5), dtype=torch.bfloat16),
-    ]
+    chunks = [torch.empty(spec.shape(n), dtype=torch.bfloat16) for n in (8, 5)]
     gather(source, [1, 2], chunks[0])
     gather(source, [3, 4], chunks[1])
     pages = PagedKVCache(spec, 16, 4)
     outs: list[torch.Tensor] = []
     engine = TransferEngine(pages)
     engine._kernels = True  # what a CUDA device with cupy gives
-    engine._load_stream = Stream("load", log)  # type: ignore[assignment]
-    engine._save_stream = Stream("save", log)  # type: ignore[assignment]
+    engine._load_stream = FakeStream("load", log)  # type: ignore[assignment]
+    engine._save_stream = FakeStream("save", log)  # type: ignore[assignment]
+    runs = [[7, 8], [9, 10]]
 
-    load = engine.start_load(chunks, [[7, 8], [9, 10]])
+    load = engine.start_load(chunks, runs)
     load.wait_layer(1)
-    expected = ["load waits for compute"]
+    expected = [("load", "waits for", "compute")]
     for layer in range(3):
-        expected += [f"load loads {layer}+1", f"load records event{layer}"]
-    assert log == [*expected, "compute waits for event1"]
-    for ids, chunk in zip([[7, 8], [9, 10]], chunks, strict=True):
+        expected += [("load", "loads", f"{layer}+1"), ("load", "records", f"event{layer}")]
+    assert log == [*expected, ("compute", "waits for", "event1")]
+    for ids, chunk in zip(runs, chunks, strict=True):
         back = torch.empty_like(chunk)
         gather(pages, ids, back)
         assert torch.equal(bits(back), bits(chunk))
 
     log.clear()
     outs[:] = [torch.zeros_like(chunk) for chunk in chunks]
-    whole = engine.begin_save([[7, 8], [9, 10]], outs)
+    whole = engine.begin_save(runs, outs)
     whole.save_all()
     whole.wait()
     assert log == [
-        "save waits for compute",
-        "save saves 0+3",
-        "save records event0",
-        "host waits for event0",
+        ("save", "waits for", "compute"),
+        ("save", "saves", "0+3"),
+        ("save", "records", "event0"),
+        ("host", "waits for", "event0"),
     ]
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, chunks, strict=True))
 
     log.clear()
     outs[:] = [torch.zeros_like(chunk) for chunk in chunks]
-    layered = engine.begin_save([[7, 8], [9, 10]], outs)
+    layered = engine.begin_save(runs, outs)
     layered.save_layer(2)
     layered.save_all()  # the layers left, one launch each
-    assert [entry for entry in log if "saves" in entry] == [
-        "save saves 2+1",
-        "save saves 0+1",
-        "save saves 1+1",
-    ]
-    assert not [entry for entry in log if entry.startswith("compute")]  # never waits on saves
+    launched = [entry[2] for entry in log if entry[1] == "saves"]
+    assert launched == ["2+1", "0+1", "1+1"]
+    assert not [entry for entry in log if entry[0] == "compute"]  # never waits on saves
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, chunks, strict=True))
 
 

@@ -21,7 +21,8 @@ from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.kernels.plan import CopyPlan, plan_copy, reference_copy
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import TransferEngine
-from support.copy_cases import MANY, bits, check_against_torch, make_case, planned, randomize
+from support.copy_cases import MANY, check_against_torch, make_case, planned
+from support.kv_bits import bits, randomize
 
 
 @MANY

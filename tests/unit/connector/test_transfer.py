@@ -4,9 +4,8 @@ and the layer-wise load/save API (synchronous on CPU)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,30 +25,14 @@ from lmtier_connector.device.transfer import (
     save_chunk_into_slab,
     scatter,
 )
+from support.fake_streams import FakeStream, fake_cuda
+from support.kv_bits import bits, randomize, same_bits
 
 L, H, D, N = 3, 2, 4, 24  # layers, KV heads, head dim, blocks
 DTYPES = ["float32", "float16", "bfloat16", "int8"] + (
     ["float8_e4m3fn"] if hasattr(torch, "float8_e4m3fn") else []
 )
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def randomize(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """Fill with random bit patterns (NaNs included): only bit-exact copies pass."""
-    gen = torch.Generator().manual_seed(seed)
-    raw = bits(t)
-    info = torch.iinfo(raw.dtype)
-    raw.copy_(torch.randint(info.min, info.max, raw.shape, generator=gen, dtype=raw.dtype))
-    return t
 
 
 def tokens_of_layer(layer: torch.Tensor, layout: str, slots: torch.Tensor) -> torch.Tensor:
@@ -445,46 +428,13 @@ def test_save_handle_on_cpu_layer_by_layer(stacked: bool) -> None:
 # --- the CUDA branches' stream protocol, with recording fakes on CPU -----------------------
 
 
-class FakeStream:
-    """Stands in for torch.cuda.Stream; records what waits on what."""
-
-    def __init__(self, name: str, log: list[tuple[str, ...]]) -> None:
-        self.name, self.log = name, log
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.log.append((self.name, "waits for", other.name))
-
-    def wait_event(self, event: FakeEvent) -> None:
-        self.log.append((self.name, "waits for", event.name))
-
-
-class FakeEvent:
-    def __init__(self, log: list[tuple[str, ...]], enable_timing: bool = False) -> None:
-        self.log, self.name = log, f"event{sum(1 for e in log if e[1] == 'records')}"
-
-    def record(self, stream: FakeStream) -> None:
-        self.log.append((stream.name, "records", self.name))
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        self.log.append(("host", "waits for", self.name))
-
-
 def test_cuda_branches_follow_the_stream_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA code paths run on CPU tensors with fake streams and events: the load
     stream waits for compute once, then copies and records one event per layer; compute
     waits on exactly the event of the layer it asks for; the save stream waits for
     compute before each layer's copies; compute never waits on the save stream."""
     log: list[tuple[str, ...]] = []
-    current = [FakeStream("compute", log)]
-
-    @contextlib.contextmanager
-    def use(stream: FakeStream) -> Iterator[None]:
-        current.append(stream)
-        yield
-        current.pop()
+    current = fake_cuda(monkeypatch, log)
 
     def traced(fn: Callable[..., None], what: str) -> Callable[..., None]:
         def run(*args: object, non_blocking: bool) -> None:
@@ -493,9 +443,6 @@ def test_cuda_branches_follow_the_stream_protocol(monkeypatch: pytest.MonkeyPatc
 
         return run
 
-    monkeypatch.setattr(torch.cuda, "stream", use)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(log))
     monkeypatch.setattr(transfer, "_scatter_run", traced(transfer._scatter_run, "scatters"))
     monkeypatch.setattr(transfer, "_gather_run", traced(transfer._gather_run, "gathers"))
 

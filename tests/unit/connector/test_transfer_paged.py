@@ -26,10 +26,10 @@ from lmtier_connector.device.transfer import (
     save_chunk_into_slab,
     scatter,
 )
+from support.kv_bits import randomize, same_bits
 
 L, N, H, S, D = 3, 24, 2, 4, 8  # layers, blocks, KV heads, slots per block, head dim
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 VLLM_ORDERS = {  # vllm.v1.kv_cache_layout.KVCacheLayout: physical order of [L, B, H, N, C]
     "LBHNC": (0, 1, 2, 3, 4),
@@ -44,23 +44,6 @@ RUNS = {  # name: (source ids, target ids), 3 blocks each
     "consecutive": ([4, 5, 6], [10, 11, 12]),
     "scattered": ([9, 2, 17], [0, 23, 13]),
 }
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def randomize(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """Random bit patterns (NaNs included): only bit-exact copies keep them."""
-    gen = torch.Generator().manual_seed(seed)
-    raw = bits(t)
-    info = torch.iinfo(raw.dtype)
-    raw.copy_(torch.randint(info.min, info.max, raw.shape, generator=gen, dtype=raw.dtype))
-    return t
 
 
 def vllm_layers(order: tuple[int, ...], dtype: str = "float16") -> list[torch.Tensor]:
