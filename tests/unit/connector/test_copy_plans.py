@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmtier.kv_spec import KVSpec
+from lmtier_connector.device.kernels import cuda
 from lmtier_connector.device.kernels.plan import CopyPlan, plan_copy, reference_copy
 from lmtier_connector.device.paged_kv import PagedKVCache
 from lmtier_connector.device.transfer import TransferEngine
@@ -122,3 +123,47 @@ def test_without_a_gpu_the_engine_takes_the_torch_path() -> None:
     save = engine.begin_save([[5, 2]], [out])
     save.save_all()
     assert torch.equal(bits(out[0, :, :4]), bits(pages.layer(0)[:, 5])) and save.done()
+
+
+def test_why_the_kernels_cannot_run_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each reason the kernels cannot run on a device is a line the engine logs (or
+    raises, when they were asked for): cupy missing, a device that cannot address
+    registered host memory, a source that does not load."""
+    cuda0 = torch.device("cuda", 0)
+    assert cuda.kernels_unavailable(torch.device("cpu")) == "the pages are on cpu, not CUDA"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda.kernels_unavailable(cuda0) == "torch sees no CUDA device"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def no_cupy() -> None:
+        raise ImportError("No module named 'cupy'")
+
+    monkeypatch.setattr(cuda, "_cupy", no_cupy)
+    assert "cupy is not installed (pip install -e '.[cuda]')" in str(
+        cuda.kernels_unavailable(cuda0)
+    )
+    with pytest.raises(RuntimeError, match="asked for, but cupy is not installed"):
+        cuda.use_kernels(cuda0, True)
+    assert cuda.use_kernels(cuda0, None) is False
+    assert cuda.use_kernels(cuda0, False) is False
+
+    attribute = {"value": 0}
+    runtime = type("runtime", (), {
+        "cudaDevAttrCanUseHostPointerForRegisteredMem": 91,
+        "deviceGetAttribute": staticmethod(lambda attr, device: attribute["value"]),
+    })  # fmt: skip
+    fake = type("cupy", (), {"cuda": type("cuda", (), {"runtime": runtime})})
+    monkeypatch.setattr(cuda, "_cupy", lambda: fake)
+    assert "cannot use host pointers" in str(cuda.kernels_unavailable(cuda0))
+
+    def refuse(device: int) -> None:
+        raise RuntimeError("NVRTC_ERROR_COMPILATION")
+
+    attribute["value"] = 1
+    monkeypatch.setattr(cuda, "_module", refuse)
+    assert cuda.kernels_unavailable(cuda0) == (
+        "the kernels did not load: RuntimeError: NVRTC_ERROR_COMPILATION"
+    )
+    monkeypatch.setattr(cuda, "_module", lambda device: object())
+    assert cuda.kernels_unavailable(cuda0) is None
+    assert cuda.use_kernels(cuda0, None) is True
