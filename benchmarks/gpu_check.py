@@ -11,6 +11,10 @@ decorate it with ``@check("name", timeout_s=...)``; :func:`run_script` runs a
 benchmark script and returns its last JSON line. Keep the total a few minutes.
 
 Usage: python benchmarks/gpu_check.py [--only NAME ...] [--list]
+
+On a lent GPU machine (the ``run`` tool), whose image lacks some of lmtier's packages:
+``bash benchmarks/gpu_wheels.sh`` here first, then one call that carries ``.whl``
+(the command is in that script).
 """
 
 from __future__ import annotations
