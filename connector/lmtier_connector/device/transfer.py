@@ -13,25 +13,22 @@ layout).
 * *The fused kernels* (CUDA, with cupy: :mod:`lmtier_connector.device.kernels`): one
   launch moves every chunk of a transfer for a range of layers, walking each layer's
   pages from a table of base addresses and reading or writing the pinned host chunks in
-  place over the bus (no staging copy), in 16-byte vectors where the rows allow. A load
-  launches once per layer; a whole-model save (``save_all``) once in all. They run
-  where cupy imports and the device can address registered host memory; a transfer
-  they cannot address (a strided row, layers of different strides) takes the torch path.
-* *The torch path* (every device). Token-layout
-  chunks: pages are seen canonically as ``(..., K, N, S, H, D)`` (see
-  :mod:`lmtier_connector.device.paged_kv`), the chunk as ``(..., K, T, H, D)``, with an
-  optional leading layer axis; splitting the chunk's token axis into ``(blocks, S)`` is
-  a view. Paged chunks: pages are seen through their block views ``(..., N, H, S, C)``
-  (or ``(..., N, S, H, C)``), the chunk as itself: the same blocks in the same order.
-  Then gather = ``index_select`` along the block axis into the chunk viewed as blocks,
+  place over the bus, in 16-byte vectors where the rows allow: a load launches once per
+  layer, a whole-model save (``save_all``) once. A transfer they cannot address (a
+  strided row, layers of different strides) takes the torch path.
+* *The torch path* (every device). Token-layout chunks: pages are seen canonically as
+  ``(..., K, N, S, H, D)`` (:mod:`lmtier_connector.device.paged_kv`), the chunk as
+  ``(..., K, T, H, D)``, an optional leading layer axis; splitting the chunk's token
+  axis into ``(blocks, S)`` is a view. Paged chunks: pages are seen through their block
+  views ``(..., N, H, S, C)`` (or ``(..., N, S, H, C)``), the chunk as itself. Then
+  gather = ``index_select`` along the block axis into the chunk viewed as blocks,
   scatter = ``index_copy_`` (on CPU, where torch's ``index_copy_`` moves one element at
   a time, an assignment through numpy's advanced indexing:
   :mod:`lmtier_connector.device.page_copy`); one op for all layers and the full blocks
   when the layers share a storage, a slice copy when the ids are consecutive, plus, for
   a token layout, one copy of the first ``T mod S`` slots of a partly filled last
   block, whose other slots are never touched. On CUDA, gather picks the blocks on the
-  device and crosses the bus once per chunk and layer; scatter crosses it once and
-  places them there.
+  device and crosses the bus once per chunk and layer; scatter crosses it once.
 
 Both copy same-width integers, so every dtype moves bit-exactly, float8 included.
 
@@ -39,8 +36,7 @@ Both copy same-width integers, so every dtype moves bit-exactly, float8 included
 :class:`TransferEngine` owns two side streams. ``start_load`` enqueues, layer by
 layer on the load stream, the layer's copies (a kernel launch, or one host-to-device
 copy per chunk from pinned slabs, ``non_blocking``, and the block scatter), then
-records one event per layer;
-``LoadHandle.wait_layer(i)`` makes the *current* stream wait on event ``i``, so layer
+records one event per layer; ``LoadHandle.wait_layer(i)`` makes the *current* stream wait on event ``i``, so layer
 ``i`` computes as soon as its KV has landed while the load of layer ``i + 1`` goes on::
 
     load    |H2D+scatter L0|e0|H2D+scatter L1|e1|H2D+scatter L2|e2|
@@ -397,16 +393,23 @@ class TransferEngine:
     where they run: None (the default) uses them when cupy and a CUDA device are there
     and the torch path otherwise (logged once); True requires them (``RuntimeError``
     saying why not); False never uses them. A transfer the kernels cannot address (a
-    strided row, layers of different strides) goes the torch path.
+    strided row, layers of different strides) goes the torch path. ``staged_loads``:
+    the kernels' loads copy each layer into a device buffer first (:func:`launches_for`).
     """
 
-    __slots__ = ("_kernels", "_load_stream", "_pages", "_save_stream", "_timing")
+    __slots__ = ("_kernels", "_load_stream", "_pages", "_save_stream", "_staged", "_timing")
 
     def __init__(
-        self, pages: PagedKVCache, *, timing: bool = False, kernels: bool | None = None
+        self,
+        pages: PagedKVCache,
+        *,
+        timing: bool = False,
+        kernels: bool | None = None,
+        staged_loads: bool = False,
     ) -> None:
         self._pages = pages
         self._timing = timing
+        self._staged = staged_loads
         self._load_stream: torch.cuda.Stream | None = None
         self._save_stream: torch.cuda.Stream | None = None
         self._kernels = use_kernels(pages.device, kernels)
@@ -424,11 +427,13 @@ class TransferEngine:
         return self._kernels
 
     def _plan(
-        self, lists: list[list[int]], counts: list[int], views: list[torch.Tensor]
+        self, lists: list[list[int]], counts: list[int], views: list[torch.Tensor], load: bool
     ) -> Launches | None:
         """The kernels' launches for these runs (made on the stream that launches them),
         or None: the torch path copies."""
-        return launches_for(self._pages, lists, counts, views) if self._kernels else None
+        if not self._kernels:
+            return None
+        return launches_for(self._pages, lists, counts, views, staged=load and self._staged)
 
     def start_load(
         self, chunks: Sequence[ChunkSource], block_ids: Sequence[BlockIds]
@@ -447,7 +452,7 @@ class TransferEngine:
         stream.wait_stream(torch.cuda.current_stream(pages.device))  # the blocks may be in use
         events = []
         with torch.cuda.stream(stream):
-            launches = self._plan(lists, counts, views)
+            launches = self._plan(lists, counts, views, load=True)
             runs = _make_runs(pages, lists, counts) if launches is None else []
             for layer in range(pages.num_layers):
                 if launches is not None:
@@ -470,7 +475,7 @@ class TransferEngine:
             return SaveHandle(pages, _make_runs(pages, lists, counts), views, None, self._timing)
         self._check_host_buffers(views)
         with torch.cuda.stream(stream):  # CUDA path: the ids are copied on the save stream
-            launches = self._plan(lists, counts, views)
+            launches = self._plan(lists, counts, views, load=False)
             runs = _make_runs(pages, lists, counts) if launches is None else launches
         return SaveHandle(pages, runs, views, stream, self._timing)
 

@@ -25,8 +25,8 @@ from lmtier.kv_spec import KVSpec
 from lmtier_connector.device.kernels import cuda
 from lmtier_connector.device.kernels.plan import CopyPlan
 from lmtier_connector.device.paged_kv import PagedKVCache
-from lmtier_connector.device.transfer import TransferEngine, gather
-from support.copy_cases import FEW, check_against_torch, make_case
+from lmtier_connector.device.transfer import TransferEngine, gather, scatter
+from support.copy_cases import FEW, check_against_torch, make_case, page_bits, restore
 from support.fake_streams import FakeStream, fake_cuda
 from support.kernel_cpu import CpuKernels
 from support.kv_bits import bits, randomize
@@ -81,7 +81,8 @@ def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
     current = fake_cuda(monkeypatch, log)
 
     class Launches:  # the C++-compiled kernels in place of cupy's launches
-        def __init__(self, plan: CopyPlan, device: torch.device) -> None:
+        def __init__(self, plan: CopyPlan, device: torch.device, staged: object) -> None:
+            assert staged is None  # the engine stages loads only when told to
             self.plan = plan
 
         def launch(self, *, save: bool, layer0: int, num_layers: int, stream: FakeStream) -> None:
@@ -143,14 +144,15 @@ def test_the_engine_launches_per_layer_on_load_and_once_per_save_all(
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(outs, chunks, strict=True))
 
 
-@FEW
-@given(data=st.data(), layer_by_layer=st.booleans())
-def test_the_launches_pass_what_the_kernels_take(
-    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, layer_by_layer: bool
-) -> None:
-    """The engine's own :class:`Launches` (its argument tuple, grid and kernel choice),
-    with cupy's launch replaced by the C++ build of the kernels: layer by layer and whole,
-    both ways, as the torch path moves them."""
+STREAM = type("Stream", (), {"cuda_stream": 0})()
+"""What a launch is given as its torch stream (cupy's stream is replaced too)."""
+
+
+def cupy_runs_the_cpu_build(
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> list[torch.Tensor]:
+    """Replace cupy's part of :class:`Launches` (the kernel, the device, the stream) by
+    the C++ build of the kernels; returns the list of tensors launches may touch."""
     touched: list[torch.Tensor] = []
 
     def function(device: int, name: str) -> object:
@@ -165,12 +167,52 @@ def test_the_launches_pass_what_the_kernels_take(
     monkeypatch.setattr(cuda, "_cupy", lambda: fake_cupy)
     monkeypatch.setattr(cuda, "_stream", lambda handle, device: contextlib.nullcontext())
     monkeypatch.setattr(cuda, "_multiprocessors", lambda device: 2)
-    stream = type("Stream", (), {"cuda_stream": 0})()
+    return touched
+
+
+@FEW
+@given(data=st.data(), layer_by_layer=st.booleans())
+def test_the_launches_pass_what_the_kernels_take(
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, layer_by_layer: bool
+) -> None:
+    """The engine's own :class:`Launches` (its argument tuple, grid and kernel choice),
+    with cupy's launch replaced by the C++ build of the kernels: layer by layer and whole,
+    both ways, as the torch path moves them."""
+    touched = cupy_runs_the_cpu_build(kernels, monkeypatch)
 
     def run(plan: CopyPlan, tensors: list[torch.Tensor], **how: int) -> None:
         touched[:] = tensors
         launches = cuda.Launches(plan, torch.device("cpu"))
         touched.append(launches._words)
-        launches.launch(stream=stream, **how)  # type: ignore[arg-type]
+        launches.launch(stream=STREAM, **how)  # type: ignore[arg-type]
 
     check_against_torch(make_case(data), run, layer_by_layer)
+
+
+@FEW
+@given(data=st.data(), layer_by_layer=st.booleans())
+def test_staged_loads_move_what_the_torch_path_moves(
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, layer_by_layer: bool
+) -> None:
+    """``launches_for(staged=True)``: each layer of the chunks is copied into one stage
+    buffer, and the kernels scatter from there; the pages end as torch's scatter leaves
+    them. A staged plan refuses to save."""
+    touched = cupy_runs_the_cpu_build(kernels, monkeypatch)
+    pages, runs, counts, chunks = make_case(data)
+    sources = [randomize(torch.empty_like(c), 7 + j) for j, c in enumerate(chunks)]
+    before = page_bits(pages)
+    for ids, chunk in zip(runs, sources, strict=True):
+        scatter(chunk, pages, ids)
+    by_torch = page_bits(pages)
+    restore(pages, before)
+    views = [pages.chunk_view(source) for source in sources]
+    launches = cuda.launches_for(pages, runs, counts, views, staged=True)
+    assert launches is not None and launches.plan.chunk_layer == (0,) * len(chunks)
+    stage = launches._staged[1][0]  # type: ignore[index]
+    touched[:] = [*(pages.layer(i) for i in range(pages.num_layers)), stage, launches._words]
+    spans = [(layer, 1) for layer in range(pages.num_layers)] if layer_by_layer else [(0, 3)]
+    for layer0, count in spans:
+        launches.launch(save=False, layer0=layer0, num_layers=count, stream=STREAM)
+    assert all(torch.equal(a, b) for a, b in zip(page_bits(pages), by_torch, strict=True))
+    with pytest.raises(ValueError, match="staged plan loads"):
+        launches.launch(save=True, layer0=0, num_layers=1, stream=STREAM)

@@ -135,16 +135,35 @@ def use_kernels(device: torch.device, wanted: bool | None) -> bool:
 
 
 def launches_for(
-    pages: PagedKVCache, runs: list[list[int]], counts: list[int], chunks: list[torch.Tensor]
+    pages: PagedKVCache,
+    runs: list[list[int]],
+    counts: list[int],
+    chunks: list[torch.Tensor],
+    *,
+    staged: bool = False,
 ) -> Launches | None:
     """The launches that copy these checked runs to or from ``chunks`` (chunk views),
     their words copied on the current stream; None when the kernels cannot address
-    them (:func:`plan_copy` says why, logged at debug level)."""
-    plan = plan_copy(pages, runs, counts, chunks)
+    them (:func:`plan_copy` says why, logged at debug level).
+
+    ``staged`` (loads only): each layer of the chunks is first copied into one device
+    buffer (a DMA copy per chunk, layer-major chunks), and the kernels scatter from
+    there, instead of reading the host chunks in place over the bus. Which is faster
+    is the GPU benchmark's question (``benchmarks/bench_copy_kernels.py``)."""
+    stages: list[torch.Tensor] = []
+    planned = chunks
+    if staged:
+        sizes = [chunk[0].numel() for chunk in chunks]
+        buffer = torch.empty(sum(sizes), dtype=chunks[0].dtype, device=pages.device)
+        for chunk, start, size in zip(chunks, np.cumsum([0, *sizes[:-1]]), sizes, strict=True):
+            stages.append(buffer[int(start) : int(start) + size].view(chunk.shape[1:]))
+        # Every layer of a chunk reads its stage: a layer stride of 0.
+        planned = [stage.expand(chunk.shape) for stage, chunk in zip(stages, chunks, strict=True)]
+    plan = plan_copy(pages, runs, counts, planned)
     if isinstance(plan, str):
         logger.debug("lmtier: the torch copy path moves this transfer (%s)", plan)
         return None
-    return Launches(plan, pages.device)
+    return Launches(plan, pages.device, (chunks, stages) if staged else None)
 
 
 class Launches:
@@ -152,13 +171,20 @@ class Launches:
 
     Make it under ``torch.cuda.stream(s)`` of the stream that launches: the words are
     copied there, so every launch on ``s`` sees them. Keep it (and the chunks) alive
-    until the launches finished.
+    until the launches finished. ``staged``: the host chunks and their device stages
+    (:func:`launches_for`).
     """
 
-    __slots__ = ("_ids", "_index", "_layers", "_plan", "_table", "_words")
+    __slots__ = ("_ids", "_index", "_layers", "_plan", "_staged", "_table", "_words")
 
-    def __init__(self, plan: CopyPlan, device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: CopyPlan,
+        device: torch.device,
+        staged: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    ) -> None:
         self._plan = plan
+        self._staged = staged
         words = torch.tensor(plan.words(), dtype=torch.int64)
         self._index = 0  # the device's (a CPU device: the tests' C++ build of the kernels)
         if device.type == "cuda":
@@ -179,10 +205,23 @@ class Launches:
         """Copy layers ``layer0 .. layer0 + num_layers - 1`` of every chunk on ``stream``
         (a torch CUDA stream): pages to chunks when ``save``, else chunks to pages."""
         plan = self._plan
-        work = plan.work(num_layers)
-        if not 0 <= layer0 < layer0 + num_layers <= plan.num_layers or work > MAX_WORK:
+        if not 0 <= layer0 < layer0 + num_layers <= plan.num_layers:
             raise ValueError(f"layers {layer0}+{num_layers} of a {plan.num_layers}-layer plan")
-        index = self._index
+        if self._staged is None:
+            self._kernel(save, layer0, num_layers, stream)
+            return
+        if save:
+            raise ValueError("a staged plan loads; saves write the chunks in place")
+        for layer in range(layer0, layer0 + num_layers):  # the stage holds one layer
+            for chunk, stage in zip(*self._staged, strict=True):
+                stage.copy_(chunk[layer], non_blocking=True)
+            self._kernel(False, layer, 1, stream)
+
+    def _kernel(self, save: bool, layer0: int, num_layers: int, stream: Any) -> None:
+        plan, index = self._plan, self._index
+        work = plan.work(num_layers)
+        if work > MAX_WORK:
+            raise ValueError(f"{work} copy units in one launch (at most {MAX_WORK})")
         kernel = _function(index, f"lmtier_kv_{'save' if save else 'load'}_{plan.width}")
         budget = max(1, _multiprocessors(index) * BLOCKS_PER_SM // plan.num_chunks)
         blocks = max(1, min(budget, -(-work // THREADS)))
