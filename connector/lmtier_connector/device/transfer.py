@@ -36,8 +36,9 @@ Both copy same-width integers, so every dtype moves bit-exactly, float8 included
 :class:`TransferEngine` owns two side streams. ``start_load`` enqueues, layer by
 layer on the load stream, the layer's copies (a kernel launch, or one host-to-device
 copy per chunk from pinned slabs, ``non_blocking``, and the block scatter), then
-records one event per layer; ``LoadHandle.wait_layer(i)`` makes the *current* stream wait on event ``i``, so layer
-``i`` computes as soon as its KV has landed while the load of layer ``i + 1`` goes on::
+records one event per layer; ``LoadHandle.wait_layer(i)`` makes the *current* stream
+wait on event ``i``, so layer ``i`` computes as soon as its KV has landed while the
+load of layer ``i + 1`` goes on::
 
     load    |H2D+scatter L0|e0|H2D+scatter L1|e1|H2D+scatter L2|e2|
     compute          wait e0 ->|  layer 0  |wait e1 ->| layer 1 |wait e2 ->| layer 2 |
@@ -139,6 +140,19 @@ def _make_runs(
     return runs
 
 
+def _as_tensor(chunk: ChunkSource) -> torch.Tensor:
+    return chunk_tensor(chunk) if isinstance(chunk, DecodedChunk) else chunk
+
+
+def _views(
+    pages: PagedKVCache, chunks: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The chunks' views on the chunk side (:meth:`PagedKVCache.chunk_view`, which checks
+    them), and how many tokens each holds."""
+    views = [pages.chunk_view(chunk) for chunk in chunks]
+    return views, [pages.spec.tokens_of(chunk.shape) or 0 for chunk in chunks]
+
+
 def _layer(pages: PagedKVCache, layer: int) -> torch.Tensor:
     """The pages' side of one layer: its block view for a paged spec, else canonical."""
     return pages.blocks(layer) if pages.spec.paged else pages.canonical(layer)
@@ -203,19 +217,6 @@ def _whole(pages: PagedKVCache, run: _Run, chunk: torch.Tensor, *, save: bool) -
             _gather_run(page_view, run, chunk_view, non_blocking=False)
         else:
             _scatter_run(chunk_view, page_view, run, non_blocking=False)
-
-
-def _as_tensor(chunk: ChunkSource) -> torch.Tensor:
-    return chunk_tensor(chunk) if isinstance(chunk, DecodedChunk) else chunk
-
-
-def _views(
-    pages: PagedKVCache, chunks: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[int]]:
-    """The chunks' views on the chunk side (:meth:`PagedKVCache.chunk_view`, which checks
-    them), and how many tokens each holds."""
-    views = [pages.chunk_view(chunk) for chunk in chunks]
-    return views, [pages.spec.tokens_of(chunk.shape) or 0 for chunk in chunks]
 
 
 def _record(stream: torch.cuda.Stream, timing: bool) -> torch.cuda.Event:
