@@ -32,6 +32,7 @@ __all__ = [
     "KERNEL_NAMES",
     "Launches",
     "compile_source",
+    "cuda_sources",
     "kernel_source",
     "kernels_unavailable",
     "launches_for",
@@ -53,25 +54,32 @@ KERNEL_NAMES = tuple(
 OPTIONS = ("--std=c++17",)
 
 
-def kernel_source() -> str:
-    """The CUDA C source of the kernels (``kv_copy.cu``, shipped with the package)."""
-    return (importlib.resources.files(__package__) / "kv_copy.cu").read_text()
+def cuda_sources() -> list[str]:
+    """The names of the CUDA C files shipped with this package (every one is compiled
+    by CI's NVRTC check)."""
+    folder = importlib.resources.files(__package__)
+    return sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".cu"))
 
 
-def compile_source(arch: str) -> bytes:
-    """Compile the kernels with NVRTC for ``arch`` (``"sm_90"``: a cubin; ``"compute_90"``:
-    PTX), needing neither a device nor a driver. ``RuntimeError`` with NVRTC's log when
-    the source does not compile."""
+def kernel_source(name: str = "kv_copy.cu") -> str:
+    """The CUDA C source ``name`` (``kv_copy.cu``: the copy kernels)."""
+    return (importlib.resources.files(__package__) / name).read_text()
+
+
+def compile_source(arch: str, name: str = "kv_copy.cu") -> bytes:
+    """Compile the source ``name`` with NVRTC for ``arch`` (``"sm_90"``: a cubin;
+    ``"compute_90"``: PTX), needing neither a device nor a driver. ``RuntimeError`` with
+    NVRTC's log when it does not compile."""
     # The NVRTC binding alone: no driver needed. Optional (the `cuda` extra).
     from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
 
-    program = nvrtc.createProgram(kernel_source(), "kv_copy.cu", [], [])
+    program = nvrtc.createProgram(kernel_source(name), name, [], [])
     try:
         try:
             nvrtc.compileProgram(program, [*OPTIONS, f"--gpu-architecture={arch}"])
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(program)
-            raise RuntimeError(f"kv_copy.cu does not compile for {arch}: {exc}\n{log}") from exc
+            raise RuntimeError(f"{name} does not compile for {arch}: {exc}\n{log}") from exc
         return bytes(nvrtc.getCUBIN(program) if arch.startswith("sm_") else nvrtc.getPTX(program))
     finally:
         nvrtc.destroyProgram(program)
