@@ -183,7 +183,7 @@ class Launches:
     (:func:`launches_for`).
     """
 
-    __slots__ = ("_ids", "_index", "_layers", "_plan", "_staged", "_table", "_words")
+    __slots__ = ("_index", "_plan", "_pointers", "_scalars", "_staged", "_words")
 
     def __init__(
         self,
@@ -203,7 +203,11 @@ class Launches:
         self._words = words
         table, ids = plan.offsets()
         base = self._words.data_ptr()
-        self._layers, self._table, self._ids = base, base + 8 * table, base + 8 * ids
+        # The arguments every launch shares, made once: (layers, table, ids) before
+        # layer0 and num_layers, the plan's sizes and strides after them.
+        self._pointers = tuple(np.uint64(p) for p in (base, base + 8 * table, base + 8 * ids))
+        sizes, strides = plan.scalars()[:4], plan.scalars()[4:]
+        self._scalars = (*(np.int32(v) for v in sizes), *(np.int64(v) for v in strides))
 
     @property
     def plan(self) -> CopyPlan:
@@ -233,15 +237,7 @@ class Launches:
         kernel = _function(index, f"lmtier_kv_{'save' if save else 'load'}_{plan.width}")
         budget = max(1, _multiprocessors(index) * BLOCKS_PER_SM // plan.num_chunks)
         blocks = max(1, min(budget, -(-work // THREADS)))
-        args = (
-            np.uint64(self._layers),
-            np.uint64(self._table),
-            np.uint64(self._ids),
-            np.int32(layer0),
-            np.int32(num_layers),
-            *(np.int32(v) for v in plan.scalars()[:4]),
-            *(np.int64(v) for v in plan.scalars()[4:]),
-        )
+        args = (*self._pointers, np.int32(layer0), np.int32(num_layers), *self._scalars)
         if self._words.is_cuda:  # the allocator keeps the words until the stream is past
             self._words.record_stream(stream)
         with _cupy().cuda.Device(index), _stream(int(stream.cuda_stream), index):
