@@ -17,7 +17,8 @@ slabs (the transfer engine's streams and events, as the vLLM connector uses them
 * bit-exactness: both paths' saved chunks are equal byte for byte, and so are the pages
   each path's load wrote;
 * layer-wise overlap of each path's load with a per-layer matmul (512 new tokens through
-  a 4096 x 3*14336 weight): the share of the load time hidden behind compute.
+  a 4096 x 3*14336 weight): the share of the load time hidden behind compute; and the
+  host time of ``start_load`` itself (enqueueing, what a step pays on the CPU).
 
 Goals (issue 37): kernels >= 1.5x the torch path, >= 0.8x the pinned copy, >= 80% of
 the load hidden. Without CUDA (or without cupy) it says why and ends with
@@ -31,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -122,6 +125,7 @@ def bench_layout(order: tuple[int, ...] | None, repeats: int) -> dict[str, Any]:
         sync()
         loaded[name] = page_bytes(pages)
         result[f"{name}_load_gb_s"] = round(nbytes / median_s(load, repeats, sync) / 1e9, 2)
+        result[f"{name}_load_enqueue_ms"] = round(enqueue_s(engine, outs, runs, repeats) * 1e3, 3)
         for i, before in enumerate(original):
             pages.layer(i).view(torch.int16).copy_(before)
     result["bit_exact_save"] = all(
@@ -143,6 +147,21 @@ def bench_layout(order: tuple[int, ...] | None, repeats: int) -> dict[str, Any]:
     result.update(overlap(pages, engines, outs, runs, max(3, repeats // 2)))
     close(pool, slabs)
     return result
+
+
+def enqueue_s(
+    engine: TransferEngine, chunks: list[torch.Tensor], runs: list[list[int]], repeats: int
+) -> float:
+    """Host time of ``start_load`` alone (the copies enqueued, not waited for): what a
+    layer-wise load costs the engine's step on the CPU."""
+    samples = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        handle = engine.start_load(chunks, runs)
+        samples.append(time.perf_counter() - start)
+        handle.synchronize()
+    return statistics.median(samples[1:])
 
 
 def overlap(
