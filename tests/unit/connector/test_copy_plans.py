@@ -157,7 +157,7 @@ def test_why_the_kernels_cannot_run_is_said(monkeypatch: pytest.MonkeyPatch) -> 
     assert "cannot use host pointers" in str(cuda.kernels_unavailable(cuda0))
 
     def refuse(device: int) -> None:
-        raise RuntimeError("NVRTC_ERROR_COMPILATION")
+        raise RuntimeError("NVRTC_ERROR_COMPILATION\nkv_copy.cu(3): error: ...\n1 error")
 
     attribute["value"] = 1
     monkeypatch.setattr(cuda, "_module", refuse)

@@ -124,7 +124,8 @@ def kernels_unavailable(device: torch.device) -> str | None:
             return "the device cannot use host pointers of registered memory in kernels"
         _module(index)
     except Exception as exc:  # a driver, NVRTC or compile failure: the torch path copies
-        return f"the kernels did not load: {type(exc).__name__}: {exc}"
+        first = (str(exc).strip().splitlines() or [""])[0]  # one line: NVRTC logs run on
+        return f"the kernels did not load: {type(exc).__name__}: {first}"
     return None
 
 
