@@ -4,20 +4,24 @@ once before any lower tier gets their bytes, never sent unsealed."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
+import pytest
 import torch
 
 from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.chunks.format import decode
 from lmtier.chunks.integrity import ChunkMac
+from lmtier.chunks.keys import ChunkKey
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.kv_spec import ChunkFramer, frame_slab
+from lmtier.storage import writes
 from lmtier.storage.check import ChunkCheck
 from lmtier.storage.cpu_tier import CPUTier
 from lmtier.storage.host_pool import HostPool
 from lmtier.storage.manager import StorageManager
 from lmtier.storage.sealing import is_sealed
-from lmtier.storage.tier import TierProperties
+from lmtier.storage.tier import Buffer, TierProperties
 from lmtier.testing import DictTier, random_key
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
@@ -99,4 +103,52 @@ def test_bytes_that_cannot_be_sealed_are_never_written_down() -> None:
         await manager.close()
         pool.close()
 
+    asyncio.run(case())
+
+
+class _HeldTier(DictTier):
+    """Records each put's size and holds every put until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__("held", TierProperties(shared=True))
+        self.sizes: list[int] = []
+        self.release = asyncio.Event()
+
+    async def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> int:
+        self.sizes.append(len(items))
+        await self.release.wait()
+        return await super().put(items)
+
+
+def test_a_large_store_is_sealed_in_steps_while_earlier_steps_are_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One store larger than SEAL_STEP_BYTES goes down in batches of at most that many
+    bytes, and the next batch is sealed while the tier still writes the first (it was
+    one batch, sealed whole before the tier got a byte)."""
+    framer = ChunkFramer(SPEC, CHUNK)
+    lower = _HeldTier()
+
+    async def case() -> None:
+        pool = HostPool(framer.template.encoded_size, 16, pin=False, align=64)
+        monkeypatch.setattr(writes, "SEAL_STEP_BYTES", 3 * pool.slab_bytes)
+        manager = StorageManager(CPUTier(pool, 16 * pool.slab_bytes), [lower])
+        await manager.start()
+        kv = kv_of(7)
+        for index in range(7):
+            (handle,) = manager.acquire_slabs(1)
+            size = framer.write(handle, keys[index], kv.narrow(2, index * CHUNK, CHUNK), ctime=1.0)
+            assert manager.put(keys[index], handle, size)
+        async with asyncio.timeout(30):  # a hang guard, not a speed check
+            while manager.writes.sealer.sealed < 6:  # a put is held: the next is sealed
+                await asyncio.sleep(0.01)
+        assert lower.sizes == [3, 3] and lower.data == {}  # PUTS_IN_FLIGHT held, none landed
+        lower.release.set()
+        await manager.flush()
+        assert max(lower.sizes) <= 3 and sum(lower.sizes) == 7
+        assert set(lower.data) == set(keys)
+        await manager.close()
+        pool.close()
+
+    keys = [random_key() for _ in range(7)]
     asyncio.run(case())
