@@ -298,8 +298,8 @@ class DiskTierConfig(_ByteTierSection):
     o_direct: Bool = False
     """Read and write with O_DIRECT (bypass the page cache)."""
     io_threads: Annotated[Count, Field(le=MAX_IO_THREADS)] = 4
-    """Worker threads for file I/O (reads and writes of one batch run in parallel), at
-    most 256."""
+    """Worker threads for the files of one batch of writes, at most 256; a batch of
+    reads runs on twice as many (cold reads wait on the device, not the CPU)."""
     file_mode: Annotated[Text, _rule(_file_mode_problem)] = "0600"
     """Octal permissions of chunk files, the ledger and the pins list (directories,
     ``path`` and the parents the tier creates included, get the matching search bits),
