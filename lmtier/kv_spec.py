@@ -12,14 +12,21 @@ loaded chunk. This is the one module between the byte world of tiers and torch.
 from __future__ import annotations
 
 import functools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lmtier.chunks.encoding import HeaderTemplate, MacSigner, encoded_size, header_bytes
+from lmtier.chunks.encoding import (
+    HeaderTemplate,
+    MacSigner,
+    encoded_size,
+    header_bytes,
+    payload_checksum,
+)
 from lmtier.chunks.format import (
     DIGEST_LEN,
     DTYPE_ITEMSIZE,
@@ -330,10 +337,11 @@ def _template(dtype: str, shape: tuple[int, ...], layout: str, num_tokens: int) 
 
 class ChunkFramer:
     """Writes the full chunks of one cache (``spec``, ``chunk_size``) into slabs: the KV
-    copied to its place, then an ``UNSEALED`` header from a template (~2 us; the
-    checksum and MAC come later, off the caller's thread: :mod:`lmtier.storage.sealing`).
-    What :meth:`lmtier.LMTier.store` runs per chunk: one copy of the KV, nothing else
-    proportional to its size."""
+    copied to its place, then a header from a template (~2 us): ``UNSEALED`` (the
+    checksum and MAC come later, off the caller's thread: :mod:`lmtier.storage.sealing`)
+    unless the chunk is sealed as it is copied (:meth:`write_many`). What
+    :meth:`lmtier.LMTier.store` runs per chunk: one copy of the KV, and at most a hash
+    of what the copy just wrote."""
 
     __slots__ = ("_dtype", "_end", "_meta", "_start", "template")
 
@@ -353,17 +361,57 @@ class ChunkFramer:
         return self.write_many([(handle, key, kv)], ctime)[0]
 
     def write_many(
-        self, chunks: Sequence[tuple[SlabHandle, ChunkKey, KVSource]], ctime: float
+        self,
+        chunks: Sequence[tuple[SlabHandle, ChunkKey, KVSource]],
+        ctime: float,
+        *,
+        seal: bool = False,
     ) -> list[int]:
         """:meth:`write` for each ``(handle, key, kv)``, their copies one shared copy
         (:func:`lmtier.copies.copy_many`: a batch of small chunks is copied by several
-        threads at once); the encoded lengths."""
-        meta = self._meta
-        copy_many(
-            [pair for handle, _, kv in chunks for pair in _kv_pairs(self.payload(handle), meta, kv)]
-        )
+        threads at once); the encoded lengths.
+
+        ``seal``: frame each chunk sealed (with its checksum; no MAC), hashing it right
+        after its copy on the thread that copied it, while its bytes are in the cache.
+        For chunks that go below host memory at once, whose checksum would otherwise be
+        a second pass over memory later (:mod:`lmtier.storage.sealing`, which skips
+        chunks sealed already)."""
+        meta, start, end = self._meta, self._start, self._end
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        then: list[Callable[[], None] | None] = []
+        sums = [0] * len(chunks)
+        for at, (handle, _, kv) in enumerate(chunks):
+            own = _kv_pairs(self.payload(handle), meta, kv)
+            pairs += own
+            if seal:
+                done = _Countdown(len(own), functools.partial(_hash, sums, at, handle, start, end))
+                then += [done] * len(own)
+        copy_many(pairs, then)
         frame = self.template.frame_into
-        return [frame(handle.view, key, ctime=ctime, sealed=False) for handle, key, _ in chunks]
+        return [
+            frame(handle.view, key, ctime=ctime, checksum=sums[at], sealed=seal)
+            for at, (handle, key, _) in enumerate(chunks)
+        ]
+
+
+class _Countdown:
+    """Runs ``action`` at its ``count``-th call (a chunk's last pair copied); thread-safe."""
+
+    __slots__ = ("_action", "_left", "_lock")
+
+    def __init__(self, count: int, action: Callable[[], None]) -> None:
+        self._left, self._action, self._lock = count, action, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._left -= 1
+            due = self._left == 0
+        if due:
+            self._action()
+
+
+def _hash(sums: list[int], at: int, handle: SlabHandle, start: int, end: int) -> None:
+    sums[at] = payload_checksum(handle.view[start:end])
 
 
 def frame_slab(handle: SlabHandle, meta: ChunkMeta) -> int:

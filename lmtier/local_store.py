@@ -305,6 +305,16 @@ class LocalStore:
         (``write_wait_s``: :mod:`lmtier.storage.room`)."""
         return self._run()[0].acquire_slabs(count, True, wait=wait) if count > 0 else []
 
+    @property
+    def seal_on_copy(self) -> bool:
+        """True when some tier takes a stored chunk at once (write-through) and its seal
+        is the checksum alone: with an integrity key, the MAC (~20x the copy) stays
+        off the storing thread (:mod:`lmtier.storage.sealing`). False while closed."""
+        manager = self._manager
+        if manager is None or manager.check.mac is not None:
+            return False
+        return any(tier.properties.write_policy == "write_through" for tier in manager.tiers)
+
     def hand_over(self, encoded: Encoded) -> Callable[[], int]:
         """Deferred to the function returned, which :func:`lmtier.storing.store_chunks`
         calls once its copies are done (or before it waits for slabs): the CPU tier

@@ -109,6 +109,12 @@ class ChunkStore(Protocol):
     holds_writes: bool
     """Whether writes this store counted as stored may still be queued in this
     process (then the facade closes it at interpreter exit: :mod:`lmtier.exiting`)."""
+    @property
+    def seal_on_copy(self) -> bool:
+        """Whether :func:`lmtier.storing.store_chunks` should frame chunks sealed,
+        hashing each as it is copied (:meth:`lmtier.kv_spec.ChunkFramer.write_many`):
+        chunks that go below host memory at once are hashed anyway, and from the cache
+        that costs less than a second pass over memory later."""
 
     def start(self, layout: StoreLayout) -> None:
         """Open what the chunks need (host memory, tiers, a connection)."""

@@ -112,7 +112,9 @@ def _store_each(
                     (handle, keys[index], chunk_kv(index))
                     for index, handle in zip(batch, handles, strict=False)
                 ]
-                sizes = framer.write_many(chunks, ctime)  # the batch's copies: one shared copy
+                # The batch's copies: one shared copy (each chunk hashed after its copy
+                # where the store writes it down at once).
+                sizes = framer.write_many(chunks, ctime, seal=store.seal_on_copy)
                 encoded: Encoded = [
                     (key, handle, length)
                     for (handle, key, _), length in zip(chunks, sizes, strict=True)

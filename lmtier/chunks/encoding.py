@@ -136,11 +136,17 @@ def _byte_view(meta: ChunkMeta, payload: Any) -> memoryview:
     return view
 
 
+def payload_checksum(payload: Any) -> int:
+    """The checksum a sealed header carries for ``payload`` (a C-contiguous buffer of
+    the payload's bytes): xxh3-64. It holds the GIL while it hashes."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
 def _seal_values(
     meta: ChunkMeta, payload: memoryview, ctime: float, sign: MacSigner | None
 ) -> tuple[int, bytes]:
     """The payload checksum and the MAC (zeros without ``sign``) of a chunk."""
-    checksum = xxhash.xxh3_64_intdigest(payload)
+    checksum = payload_checksum(payload)
     if sign is None:
         return checksum, _NO_MAC
     mac = sign(_pack_header(meta, checksum, ctime), payload)

@@ -124,6 +124,7 @@ class SidecarStore:
     refuses pings more often than every half of its own."""
 
     holds_writes = False  # a stored chunk is the sidecar's once its answer came
+    seal_on_copy = False  # the sidecar seals what its tiers take (and may MAC it)
 
     def __init__(
         self,

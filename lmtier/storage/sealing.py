@@ -3,7 +3,10 @@
 ``LMTier.store`` frames each chunk in its slab without a payload checksum or MAC
 (:mod:`lmtier.chunks.encoding`): the caller pays one copy of its KV, not a copy plus a
 hash pass (plus a MAC pass, ~20x the copy, with an integrity key). Host memory serves
-such chunks as they are. Their bytes leave host memory only through the background
+such chunks as they are. (Where a write-through tier takes every chunk at once and
+there is no integrity key, the store hashes each chunk right after copying it, from
+the cache, and frames it sealed: :meth:`lmtier.kv_spec.ChunkFramer.write_many`. This
+sealer then skips it.) Their bytes leave host memory only through the background
 writes (:mod:`lmtier.storage.writes`), which hand every batch to :meth:`Sealer.seal`
 first: the hash and MAC run in a worker thread, then the sealed header is written over
 the unsealed one on the event loop's thread.

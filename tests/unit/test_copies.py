@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -83,3 +85,35 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     assert copies._Pool.executor is None
     copy_into(target := torch.empty_like(source), source)
     assert copies._Pool.executor is not None and torch.equal(target, source)
+
+
+@pytest.mark.parametrize("helpers", [0, 3])
+def test_each_pairs_follow_up_runs_once_after_that_pair_is_copied(
+    monkeypatch: pytest.MonkeyPatch, helpers: int
+) -> None:
+    monkeypatch.setattr(copies, "MAX_HELPERS", helpers)
+    sources = [big(8, 1024, 64, seed=i) for i in range(6)]  # 2 MiB each: several pieces
+    targets = [torch.zeros_like(s) for s in sources]
+    seen: list[tuple[int, bool]] = []
+
+    def check(at: int) -> None:  # what the copying thread sees: the pair whole
+        seen.append((at, torch.equal(targets[at], sources[at])))
+
+    then: list[Callable[[], None] | None] = [functools.partial(check, at) for at in range(6)]
+    then[2] = None
+    copy_many(list(zip(targets, sources, strict=True)), then)
+    assert sorted(seen) == [(at, True) for at in (0, 1, 3, 4, 5)]
+
+
+def test_a_follow_up_that_fails_fails_the_copy_after_it_is_done() -> None:
+    sources = [big(8, 1024, 64, seed=i) for i in range(4)]
+    targets = [torch.zeros_like(s) for s in sources]
+
+    def fail() -> None:
+        raise RuntimeError("follow-up failed")
+
+    with pytest.raises(RuntimeError, match="follow-up failed"):
+        copy_many(list(zip(targets, sources, strict=True)), [None, fail, None, None])
+    assert torch.equal(targets[3], sources[3])  # the other pairs were still copied
+    with pytest.raises(ValueError, match="2 follow-ups for 4 pairs"):
+        copy_many(list(zip(targets, sources, strict=True)), [None, None])

@@ -45,6 +45,7 @@ class RecordingStore:
 
     store_batch = 2
     holds_writes = False
+    seal_on_copy = False
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -166,6 +167,7 @@ def test_every_store_has_every_method_of_the_protocol_with_its_signature(store: 
         assert list(got.parameters) == list(want.parameters), f"{store}.{name}"
     assert isinstance(getattr(cls, "store_batch", None), int) or store == "SidecarStore"
     assert isinstance(cls.holds_writes, bool)
+    assert isinstance(getattr(cls, "seal_on_copy", None), bool | property)
 
 
 def test_a_facade_over_any_store_stores_through_reserve_acquire_and_hand_over() -> None:

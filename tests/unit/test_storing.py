@@ -90,9 +90,11 @@ def test_an_embedded_store_hands_its_chunks_over_once_every_copy_is_done(
     events: list[str] = []
     write_many, put_many = ChunkFramer.write_many, StorageManager.put_many
 
-    def copying(self: ChunkFramer, chunks: Sequence[Any], ctime: float) -> list[int]:
+    def copying(
+        self: ChunkFramer, chunks: Sequence[Any], ctime: float, *, seal: bool = False
+    ) -> list[int]:
         events.append("copy")
-        return write_many(self, chunks, ctime)
+        return write_many(self, chunks, ctime, seal=seal)
 
     def handing(self: StorageManager, encoded: Sequence[Any], *, wait: bool = False) -> int:
         events.append("hand over")
@@ -125,11 +127,13 @@ def test_a_copy_that_fails_mid_store_hands_over_the_batches_before_and_leaks_no_
 ) -> None:
     write_many, calls = ChunkFramer.write_many, [0]
 
-    def failing(self: ChunkFramer, chunks: Sequence[Any], ctime: float) -> list[int]:
+    def failing(
+        self: ChunkFramer, chunks: Sequence[Any], ctime: float, *, seal: bool = False
+    ) -> list[int]:
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("the KV went away mid-copy")
-        return write_many(self, chunks, ctime)
+        return write_many(self, chunks, ctime, seal=seal)
 
     monkeypatch.setattr(ChunkFramer, "write_many", failing)
     with embedded(16) as cache:  # batches of 4: the third of five fails

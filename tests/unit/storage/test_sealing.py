@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.chunks.format import decode
 from lmtier.chunks.integrity import ChunkMac
 from lmtier.chunks.keys import ChunkKey
-from lmtier.config import CPUTierConfig, DiskTierConfig
+from lmtier.config import CPUTierConfig, DiskTierConfig, IntegrityConfig
 from lmtier.kv_spec import ChunkFramer, frame_slab
 from lmtier.storage import writes
 from lmtier.storage.check import ChunkCheck
@@ -23,6 +24,7 @@ from lmtier.storage.manager import StorageManager
 from lmtier.storage.sealing import is_sealed
 from lmtier.storage.tier import Buffer, TierProperties
 from lmtier.testing import DictTier, random_key
+from lmtier_backends.disk.layout import CHUNK_SUFFIX
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 CHUNK = 16
@@ -152,3 +154,42 @@ def test_a_large_store_is_sealed_in_steps_while_earlier_steps_are_written(
 
     keys = [random_key() for _ in range(7)]
     asyncio.run(case())
+
+
+def _disk_config(root: Path, key: str | None = None) -> LMTierConfig:
+    return LMTierConfig(
+        chunk_size=CHUNK,
+        cpu=CPUTierConfig(capacity_bytes=1 << 20, staging_bytes=8 << 20),
+        disk=DiskTierConfig(path=root),
+        integrity=IntegrityConfig(key=key),  # type: ignore[arg-type]
+    )
+
+
+def test_a_store_with_a_write_through_tier_seals_as_it_copies(tmp_path: Path) -> None:
+    """The checksum is computed right after each chunk's copy, so the writer has no
+    sealing left to do; host memory and the disk hold the same verifiable chunk."""
+    prompt, kv = list(range(5 * CHUNK)), kv_of(5)
+    with LMTier.open(_disk_config(tmp_path), kv=SPEC, model_id="m") as cache:
+        assert cache.store(prompt, kv) == 5
+        cache.flush()
+        with cache.load(prompt) as loaded:
+            assert all(chunk.chunk.sealed for chunk in loaded.chunks)
+            assert torch.equal(loaded.kv(), kv)
+        manager = cache._store.manager  # type: ignore[attr-defined]
+        assert manager.writes.sealer.sealed == 0
+        assert cache.stats()["disk"]["puts"] == 5
+    files = sorted(tmp_path.rglob(f"*{CHUNK_SUFFIX}"))
+    assert len(files) == 5
+    for path in files:
+        assert decode(memoryview(path.read_bytes())).sealed  # decode verifies the checksum
+
+
+def test_with_an_integrity_key_the_store_leaves_the_seal_to_the_writer(tmp_path: Path) -> None:
+    """A MAC costs ~20x the copy: not on the storing thread. The writer seals (checksum
+    and MAC) before the disk gets a byte, as without a write-through tier."""
+    prompt, kv = list(range(3 * CHUNK)), kv_of(3)
+    config = _disk_config(tmp_path, key=KEY.decode())
+    with LMTier.open(config, kv=SPEC, model_id="m") as cache:
+        assert cache.store(prompt, kv) == 3
+        cache.flush()
+        assert cache._store.manager.writes.sealer.sealed == 3  # type: ignore[attr-defined]
