@@ -236,6 +236,17 @@ def aligned_copy(data: bytes) -> memoryview:
     return view
 
 
+def settle() -> None:
+    """Start a timed write from the same state as every other: nothing dirty. The
+    writeback of the write before (256 MiB left dirty: the disk tier does not sync by
+    default) slowed whichever write came next; under two busy processes the first
+    buffered write of a round took 450-560 ms against 70-220 ms for the same write
+    later in the round, so the order decided the ratios. (The page cache is not
+    dropped: a server's directories are in it, and after a drop each file created in
+    the tier's 256 subdirectories waited for a read of their blocks.)"""
+    os.sync()
+
+
 RAW_COLD_READS = {f"{'direct' if d else 'buffered'}_{t}t": (t, d) for t in (4, 16) for d in (0, 1)}
 """The raw cold reads tried (threads, O_DIRECT); the best by its median is the baseline."""
 
@@ -250,8 +261,12 @@ def measure_facade(workdir: str, num_chunks: int, repeats: int) -> dict[str, Any
     def add(name: str, seconds: float) -> None:
         times.setdefault(name, []).append(seconds)
 
+    # Untimed: a process's first store + flush ran 0.5-0.7 s under two busy processes
+    # against 0.12-0.33 s for the next ones (threads and code paths started once).
+    facade_store(root, num_chunks)
     for _ in range(repeats):
         shutil.rmtree(root, ignore_errors=True)
+        settle()
         call_s, store_s = facade_store(root, num_chunks)
         add("store_call", call_s)
         add("store", store_s)
@@ -259,9 +274,11 @@ def measure_facade(workdir: str, num_chunks: int, repeats: int) -> dict[str, Any
         views = [aligned_copy(Path(p).read_bytes()) for p in paths]  # O_DIRECT needs it
         for mode in ("write_buffered", "write_direct"):
             target = tempfile.mkdtemp(dir=workdir)
+            settle()
             add(f"raw_{mode}", raw_write_pass(target, views, 4, mode))
             shutil.rmtree(target)
             target = tempfile.mkdtemp(dir=workdir)
+            settle()
             add(f"floor_copy_{mode}", copy_then_write(target, num_chunks, mode))
             shutil.rmtree(target)
         child = (__file__, "--facade-child", root, str(num_chunks))
