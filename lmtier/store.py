@@ -109,6 +109,7 @@ class ChunkStore(Protocol):
     holds_writes: bool
     """Whether writes this store counted as stored may still be queued in this
     process (then the facade closes it at interpreter exit: :mod:`lmtier.exiting`)."""
+
     @property
     def seal_on_copy(self) -> bool:
         """Whether :func:`lmtier.storing.store_chunks` should frame chunks sealed,
