@@ -92,9 +92,9 @@ logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 2.0
 """Longest :meth:`DiskTier.close` waits for writes and threads in flight."""
 UNSERVABLE_MEMORY_S = 60.0
+"""How long a key found unservable (and not deletable) is not adopted again."""
 READ_FAN_OUT = 2
 """Threads a batch of reads runs on, per ``io_threads`` (module docstring)."""
-"""How long a key found unservable (and not deletable) is not adopted again."""
 
 
 class DiskTier(Tier):

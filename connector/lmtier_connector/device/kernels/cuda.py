@@ -207,7 +207,8 @@ class Launches:
         # The arguments every launch shares, made once: (layers, table, ids) before
         # layer0 and num_layers, the plan's sizes and strides after them.
         self._pointers = tuple(np.uint64(p) for p in (base, base + 8 * table, base + 8 * ids))
-        sizes, strides = plan.scalars()[:4], plan.scalars()[4:]
+        scalars = plan.scalars()
+        sizes, strides = scalars[:4], scalars[4:]
         self._scalars = (*(np.int32(v) for v in sizes), *(np.int64(v) for v in strides))
 
     @property
