@@ -30,6 +30,7 @@ from lmtier.chunks.encoding import (
 from lmtier.chunks.format import (
     DIGEST_LEN,
     DTYPE_ITEMSIZE,
+    LATENT_LAYOUTS,
     LAYOUTS,
     PAGE_INTERIORS,
     PAGED_LAYOUTS,
@@ -52,6 +53,7 @@ __all__ = [
     "chunk_tensor",
     "encode_kv_into",
     "frame_slab",
+    "layer_major",
     "narrow_kv",
     "payload_tensor",
     "seal_slab",
@@ -80,15 +82,17 @@ def torch_dtype(name: str) -> torch.dtype:
 class KVSpec:
     """Shape of one model's KV per token: layers, KV heads, head size, dtype, layout.
 
-    For the ``LTD`` layout (MLA: one latent vector per token), ``num_kv_heads`` is 1
-    and ``head_dim`` is the latent size. The paged layouts (``LBHSC``, ``LBSHC``; K/V
-    models only) store whole page blocks of ``block_size`` tokens in the order of the
-    engine's pages, so that saving and loading them are block copies: ``block_size``
-    is the engine's page block size there (>= 1), and 0 for every other layout, and
-    ``page_interior`` (one of :data:`PAGE_INTERIORS`, or ``""``: unspecified) names how
-    the engine's attention backend lays K and V out inside a block, so that pages of
-    equal shape but different bytes (a GPU's and a CPU's) never share a namespace;
-    ``""`` for every non-paged layout.
+    For the latent layouts (``LTD``, ``TLD``: MLA), ``num_kv_heads`` is 1 and
+    ``head_dim`` is the latent size. ``KTLHD`` and ``TLD`` keep each token's layers
+    together, as a page-first host pool does, so that its pages copy as whole runs.
+    The paged layouts (``LBHSC``, ``LBSHC``; K/V models only) store whole page blocks
+    of ``block_size`` tokens in the order of the engine's pages, so that saving and
+    loading them are block copies: ``block_size`` is the engine's page block size
+    there (>= 1), and 0 for every other layout, and ``page_interior`` (one of
+    :data:`PAGE_INTERIORS`, or ``""``: unspecified) names how the engine's attention
+    backend lays K and V out inside a block, so that pages of equal shape but different
+    bytes (a GPU's and a CPU's) never share a namespace; ``""`` for every non-paged
+    layout.
     """
 
     num_layers: int
@@ -103,9 +107,9 @@ class KVSpec:
         dims = (self.num_layers, self.num_kv_heads, self.head_dim)
         if any(not isinstance(d, int) or isinstance(d, bool) for d in dims) or min(dims) < 1:
             raise ValueError(f"KVSpec dimensions must be ints >= 1: {self}")
-        if self.layout == "LTD" and self.num_kv_heads != 1:
+        if self.layout in LATENT_LAYOUTS and self.num_kv_heads != 1:
             raise ValueError(
-                f"the LTD layout (MLA) has one latent per token: num_kv_heads=1, {self}"
+                f"the {self.layout} layout (MLA) has one latent per token: num_kv_heads=1, {self}"
             )
         if self.layout not in LAYOUTS:
             raise ValueError(
@@ -148,6 +152,11 @@ class KVSpec:
         return cls(config.num_hidden_layers, heads, head_dim, dtype)
 
     @property
+    def latent(self) -> bool:
+        """Whether the layout holds one latent vector per token (MLA), not K and V."""
+        return self.layout in LATENT_LAYOUTS
+
+    @property
     def paged(self) -> bool:
         """Whether the layout holds whole page blocks (``LBHSC``, ``LBSHC``), not tokens."""
         return self.layout in PAGED_LAYOUTS
@@ -160,6 +169,10 @@ class KVSpec:
             return (layers, 2, num_tokens, heads, dim)
         if self.layout == "KLTHD":
             return (2, layers, num_tokens, heads, dim)
+        if self.layout == "KTLHD":
+            return (2, num_tokens, layers, heads, dim)
+        if self.layout == "TLD":
+            return (num_tokens, layers, heads * dim)
         if self.paged:
             slots = self.block_size
             blocks, rest = divmod(num_tokens, slots)
@@ -186,7 +199,7 @@ class KVSpec:
         consecutive tokens concatenate along it. For a paged layout it is the block axis,
         whose indices count blocks of ``block_size`` tokens: narrow a tensor by tokens
         with :meth:`narrow_tokens`, which knows both cases."""
-        return LAYOUTS_TOKEN_AXIS[self.layout]
+        return self.layout.index("B" if self.paged else "T")
 
     def narrow_tokens(self, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
         """Tokens ``[start, start + length)`` of a tensor shaped ``self.shape(n)``, as a
@@ -205,7 +218,7 @@ class KVSpec:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token, all layers."""
-        factor = 1 if self.layout == "LTD" else 2
+        factor = 1 if self.latent else 2
         return (
             factor
             * self.num_layers
@@ -235,7 +248,16 @@ class KVSpec:
         return ChunkGeometry(self.dtype, self.layout, self.shape(chunk_size))
 
 
-LAYOUTS_TOKEN_AXIS = {"LKTHD": 2, "KLTHD": 2, "LTD": 1, "LBHSC": 1, "LBSHC": 1}
+def layer_major(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """A view of ``tensor`` (a token-layout chunk's KV in ``layout``) as (L, K, T, H, D):
+    the axes permuted by their letters, a latent layout's as K = H = 1 (no copy).
+    ValueError for a paged layout, whose blocks have no token axis to view."""
+    if layout in PAGED_LAYOUTS:
+        raise ValueError(f"{layout} chunks hold whole page blocks, not a token axis")
+    if layout in LATENT_LAYOUTS:
+        ordered = tensor.permute([layout.index(axis) for axis in "LTD"])
+        return ordered.unsqueeze(1).unsqueeze(-2)  # (L, T, D) -> (L, 1, T, 1, D)
+    return tensor.permute([layout.index(axis) for axis in "LKTHD"])
 
 
 def check_kv(kv: object, spec: KVSpec) -> int:
@@ -262,13 +284,16 @@ def check_kv(kv: object, spec: KVSpec) -> int:
             f"kv must be a torch.Tensor shaped {spec.shape(0)} (any token count) or a "
             f"sequence of (K, V) tensor pairs per layer, got {type(kv).__name__}"
         )
-    if spec.layout == "LTD":
-        raise InvalidKVError("per-layer (K, V) pairs need a K/V layout; pass one LTD tensor")
+    if spec.latent:
+        raise InvalidKVError(
+            f"per-layer (K, V) pairs need a K/V layout; pass one {spec.layout} tensor"
+        )
     if spec.paged:
         raise InvalidKVError(
-            f"per-layer (K, V) pairs need a token layout (LKTHD, KLTHD); {spec.layout} "
-            f"chunks hold whole page blocks: pass one tensor shaped {spec.shape(0)} with any "
-            f"number of blocks of {spec.block_size} tokens on axis {spec.token_axis}"
+            f"per-layer (K, V) pairs need a K/V token layout (LKTHD, KLTHD, KTLHD); "
+            f"{spec.layout} chunks hold whole page blocks: pass one tensor shaped "
+            f"{spec.shape(0)} with any number of blocks of {spec.block_size} tokens on "
+            f"axis {spec.token_axis}"
         )
     if len(kv) != spec.num_layers:
         raise InvalidKVError(f"kv has {len(kv)} layers; this cache has {spec.num_layers}")
@@ -457,17 +482,14 @@ def _kv_pairs(
     (K, V) pairs, into its payload view ``target``."""
     if isinstance(kv, torch.Tensor):
         return [(target, kv)]
-    if meta.layout not in ("LKTHD", "KLTHD"):
+    if meta.layout in PAGED_LAYOUTS or meta.layout in LATENT_LAYOUTS:
         raise ValueError(f"per-layer (K, V) input needs a K/V layout, not {meta.layout}")
-    layers = meta.shape[0] if meta.layout == "LKTHD" else meta.shape[1]
-    if len(kv) != layers:
-        raise ValueError(f"got KV for {len(kv)} layers, the chunk has {layers}")
+    layers = layer_major(target, meta.layout)
+    if len(kv) != len(layers):
+        raise ValueError(f"got KV for {len(kv)} layers, the chunk has {len(layers)}")
     pairs = []
-    for layer, (key, value) in enumerate(kv):
-        if meta.layout == "LKTHD":
-            pairs += [(target[layer, 0], key), (target[layer, 1], value)]
-        else:
-            pairs += [(target[0, layer], key), (target[1, layer], value)]
+    for layer, (key, value) in zip(layers, kv, strict=True):
+        pairs += [(layer[0], key), (layer[1], value)]
     return pairs
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "FLAG_UNSEALED",
     "FORMAT_VERSION",
     "DIGEST_LEN",
+    "LATENT_LAYOUTS",
     "LAYOUTS",
     "MAGIC",
     "MAX_HEADER_LEN",
@@ -127,6 +128,10 @@ LAYOUTS: Mapping[str, str] = MappingProxyType(
         "LKTHD": "layer, k/v, token, head, head_dim (layer-major, for layer-by-layer loading)",
         "KLTHD": "k/v, layer, token, head, head_dim",
         "LTD": "layer, token, latent dim (MLA: one latent per token)",
+        "KTLHD": "k/v, token, layer, head, head_dim (token-major: a page of a host pool "
+        "that keeps each token's layers together, such as SGLang's page_first, is two "
+        "runs of memory)",
+        "TLD": "token, layer, latent dim (MLA, token-major)",
         "LBHSC": "layer, block, head, slot, K then V (C = 2 * head_dim): whole page blocks "
         "in the order of an engine page with heads before slots (vLLM HND), so a save or a "
         "load is a block copy",
@@ -138,6 +143,8 @@ LAYOUTS: Mapping[str, str] = MappingProxyType(
 PAGED_LAYOUTS = frozenset(("LBHSC", "LBSHC"))
 """The layouts that hold whole page blocks (B blocks of S token slots) instead of a token
 axis: a chunk of them holds ``B * S`` tokens, and C (K then V) must be even."""
+LATENT_LAYOUTS = frozenset(("LTD", "TLD"))
+"""The layouts of one latent vector per token (MLA) instead of K and V."""
 PAGE_INTERIORS: Mapping[str, str] = MappingProxyType(
     {
         "flash": "each slot's row of C holds its K then its V (vLLM's FlashAttention, Triton "

@@ -29,7 +29,7 @@ def make_pages(data: st.DataObject, spec: KVSpec, block_size: int) -> PagedKVCac
     """Random pages of ``spec`` in a drawn layout, filled with random bits."""
     kind = data.draw(st.sampled_from(["own", "nhsc"] if spec.paged else PAGES), label="pages")
     dtype = getattr(torch, spec.dtype)
-    if spec.layout == "LTD":
+    if spec.latent:
         shape = (N, block_size, D) if kind == "own" else (N, 1, block_size, D)
         layers = [torch.empty(shape, dtype=dtype) for _ in range(L)]
     elif kind == "own":
@@ -56,11 +56,13 @@ Case = tuple[PagedKVCache, list[list[int]], list[int], list[torch.Tensor]]
 
 def make_case(data: st.DataObject) -> Case:
     """Pages, 1-3 disjoint runs of random blocks, their token counts, empty chunks."""
-    layout = data.draw(st.sampled_from(["LKTHD", "KLTHD", "LTD", "LBHSC", "LBSHC"]), label="layout")
+    layouts = ["LKTHD", "KLTHD", "KTLHD", "LTD", "TLD", "LBHSC", "LBSHC"]
+    layout = data.draw(st.sampled_from(layouts), label="layout")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     paged = layout in ("LBHSC", "LBSHC")
-    spec = KVSpec(L, 1 if layout == "LTD" else H, D, dtype, layout, block_size=block_size * paged)
+    heads = 1 if layout in ("LTD", "TLD") else H
+    spec = KVSpec(L, heads, D, dtype, layout, block_size=block_size * paged)
     pages = make_pages(data, spec, block_size)
     free = data.draw(st.permutations(range(N)), label="blocks")
     runs, counts = [], []

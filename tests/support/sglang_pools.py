@@ -211,10 +211,11 @@ def assert_same_kv(
     pool: Any, flat_pages: list[torch.Tensor], other: Any, other_pages: list[torch.Tensor]
 ) -> None:
     """Flat pages of two pools, each in its own layout's order, hold the same KV."""
+    from lmtier.kv_spec import layer_major
     from lmtier_connector.sglang.pages import PoolPages
 
     ours, theirs = PoolPages.of(pool), PoolPages.of(other)
     assert_equal_pages(
-        [ours.flat(p).contiguous() for p in flat_pages],
-        [theirs.flat(p).contiguous() for p in other_pages],
+        [layer_major(ours.flat(p), ours.spec.layout).contiguous() for p in flat_pages],
+        [layer_major(theirs.flat(p), theirs.spec.layout).contiguous() for p in other_pages],
     )

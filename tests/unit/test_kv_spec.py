@@ -1,5 +1,7 @@
 """KVSpec of the paged chunk layouts (LBHSC, LBSHC): validation, shapes, token counts,
-narrowing by whole blocks, check_kv, sizes, and a store/load through the facade."""
+narrowing by whole blocks, check_kv, sizes, and a store/load through the facade; and
+the token-major layouts (KTLHD, TLD): their shapes, layer-major views and per-layer
+pairs."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from lmtier import KVSpec, LMTier, LMTierConfig
 from lmtier.chunks.keys import ChunkKey
 from lmtier.config import CPUTierConfig, DiskTierConfig
 from lmtier.errors import InvalidKVError
-from lmtier.kv_spec import check_kv, narrow_kv
+from lmtier.kv_spec import check_kv, layer_major, narrow_kv
 
 L, H, D, S = 3, 2, 4, 8
 HND = KVSpec(L, H, D, "float16", "LBHSC", block_size=S)
@@ -99,3 +101,43 @@ def test_store_and_load_through_the_facade(spec: KVSpec) -> None:
     with LMTier.open(config, kv=other, model_id="m") as cache:
         assert cache.namespace().kv_block_size == 4
         assert cache.namespace().digest != digest  # another block size keys apart
+
+
+LATENT = 6
+
+
+@pytest.mark.parametrize("layout", ["LKTHD", "KLTHD", "KTLHD", "LTD", "TLD"])
+def test_token_layouts_view_layer_major_and_store_what_they_view(layout: str) -> None:
+    """Each token layout's chunk, viewed (L, K, T, H, D), holds the same elements as the
+    LKTHD chunk of the same KV; a store in that layout loads back the same tensor."""
+    latent = layout in ("LTD", "TLD")
+    spec = KVSpec(L, 1 if latent else H, LATENT if latent else D, "float32", layout)
+    assert spec.latent == latent
+    reference = torch.randn(L, 1 if latent else 2, 20, spec.num_kv_heads, spec.head_dim)
+    axes = [("LTD" if latent else "LKTHD").index(axis) for axis in layout]
+    kv = (reference[:, 0, :, 0] if latent else reference).permute(axes).contiguous()
+    assert tuple(kv.shape) == spec.shape(20) and spec.tokens_of(kv.shape) == 20
+    assert kv.shape[spec.token_axis] == 20
+    assert torch.equal(layer_major(kv, layout), reference)
+    assert spec.bytes_per_token == (1 if latent else 2) * L * spec.num_kv_heads * spec.head_dim * 4
+    config = LMTierConfig(
+        chunk_size=16,
+        cpu=CPUTierConfig(capacity_bytes=1 << 20, staging_bytes=1 << 20),
+        disk=DiskTierConfig(enabled=False),
+    )
+    prompt = list(range(20))
+    pairs = [] if latent else [(layer[0], layer[1]) for layer in reference]
+    for source in [kv, pairs] if pairs else [kv]:  # pairs land where the layers would
+        with LMTier.open(config, kv=spec, model_id="m") as cache:
+            assert cache.store(prompt, source) == 1
+            with cache.load(prompt) as loaded:
+                got = loaded.kv()
+                assert got is not None and torch.equal(got, spec.narrow_tokens(kv, 0, 16))
+    if latent:
+        with (
+            LMTier.open(config, kv=spec, model_id="m") as cache,
+            pytest.raises(InvalidKVError, match="per-layer"),
+        ):
+            cache.store(prompt, [(reference[0, 0], reference[0, 0])] * L)
+    with pytest.raises(ValueError, match="whole page blocks"):
+        layer_major(torch.zeros(HND.shape(8)), "LBHSC")

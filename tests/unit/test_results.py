@@ -20,7 +20,9 @@ CHUNK = 16
 SPECS = [
     KVSpec(num_layers=2, num_kv_heads=2, head_dim=8),
     KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", layout="KLTHD"),
+    KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", layout="KTLHD"),
     KVSpec(num_layers=3, num_kv_heads=1, head_dim=8, layout="LTD"),
+    KVSpec(num_layers=3, num_kv_heads=1, head_dim=4, layout="TLD"),
     KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, layout="LBHSC", block_size=4),
 ]
 ORDERS = {

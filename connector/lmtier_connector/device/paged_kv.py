@@ -30,8 +30,9 @@ supported. Nothing here ever assumes contiguity.
 
 **The canonical view.** Every layout is viewed, without a copy, as ``(K, N, S, H, D)``
 per layer (K is 1 for MLA): a transpose, a permute or an unsqueeze. The transfer
-engine moves token-layout chunks (``LKTHD``, ``KLTHD``, ``LTD``) through this view, so
-one gather/scatter formulation serves every page layout. When all layers are equally
+engine moves token-layout chunks (every layout but the paged ones, viewed as
+``(L, K, T, H, D)`` by :func:`lmtier.kv_spec.layer_major`) through this view, so one
+gather/scatter formulation serves every page layout. When all layers are equally
 spaced views of one storage (our own allocation; vLLM's layer-compact and
 block-outermost layouts), :attr:`PagedKVCache.stacked` is the same view with a leading
 layer axis, built with ``as_strided``, and whole-model transfers use it.
@@ -59,7 +60,7 @@ from typing import Literal, get_args
 import torch
 
 from lmtier.chunks.keys import BLOCK_SIZE
-from lmtier.kv_spec import KVSpec, torch_dtype
+from lmtier.kv_spec import KVSpec, layer_major, torch_dtype
 
 __all__ = ["PAGE_LAYOUTS", "PageLayout", "PagedKVCache", "paged_chunk_layout"]
 
@@ -83,7 +84,7 @@ def _expected_shape(
 
 def _kv_pairs(spec: KVSpec) -> int:
     """Size of the canonical K axis: 2 (K and V), or 1 for MLA's single latent."""
-    return 1 if spec.layout == "LTD" else 2
+    return 1 if spec.latent else 2
 
 
 def _block_axes(layout: PageLayout) -> tuple[int, int]:
@@ -93,7 +94,7 @@ def _block_axes(layout: PageLayout) -> tuple[int, int]:
 
 def _allowed(layout: PageLayout, spec: KVSpec) -> bool:
     # MLA has no K/V pair, so the 5-D layouts cannot hold it; "NSD" has no head axis.
-    if spec.layout == "LTD":
+    if spec.latent:
         return layout in ("NHSC", "NSD") and spec.num_kv_heads == 1
     return layout != "NSD"
 
@@ -237,7 +238,7 @@ class PagedKVCache:
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
             )
         dtype = torch_dtype(spec.dtype)
-        layout: PageLayout = "NSD" if spec.layout == "LTD" else "KNSHD"
+        layout: PageLayout = "NSD" if spec.latent else "KNSHD"
         if spec.paged:  # NHSC pages whose blocks are stored in the chunk's block order
             layout, order = "NHSC", _BLOCK_ORDER[spec.layout]
             logical = _expected_shape(layout, spec, num_blocks, block_size)
@@ -381,11 +382,7 @@ class PagedKVCache:
                 f"chunk is {chunk.dtype}{list(shape)}; these pages need {self.dtype}"
                 f"{list(example)} ({spec.layout}, axis {spec.token_axis} >= 1)"
             )
-        if spec.layout == "LKTHD" or spec.paged:
-            return chunk
-        if spec.layout == "KLTHD":
-            return chunk.transpose(0, 1)
-        return chunk.unsqueeze(1).unsqueeze(-2)  # LTD: (L, T, D) -> (L, 1, T, 1, D)
+        return chunk if spec.paged else layer_major(chunk, spec.layout)
 
     def check_run(self, block_ids: Sequence[int] | torch.Tensor, num_tokens: int) -> list[int]:
         """Validate the run of blocks holding ``num_tokens`` tokens: exactly

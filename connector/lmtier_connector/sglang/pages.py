@@ -3,26 +3,30 @@
 SGLang's host KV pool (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) keeps every
 layer's KV in one tensor, ``kv_buffer``, whose shape depends on its layout
 (``--hicache-mem-layout``); a page is ``page_size`` consecutive token slots starting
-at a multiple of ``page_size``. lmtier stores each page in one *canonical* order,
-whatever the pool's layout, so that servers with different layouts share pages and
-no layout's bytes are ever read as another's:
+at a multiple of ``page_size``. lmtier stores each page in the chunk layout whose
+order is the pool's own, so that a page is copied in runs as long as the pool keeps
+them (``page_first``'s page is one run of each of K and V, not one per token and
+layer):
 
 =====================  =============================  ==================  ==========
 pool                   ``kv_buffer``                  a page's view        chunk
 =====================  =============================  ==================  ==========
 MHA layer_first        (2, L, slots, H, D)            [:, :, s:s+P]        KLTHD
-MHA page_first         (2, slots, L, H, D)            [:, s:s+P] (T<->L)   KLTHD
+MHA page_first         (2, slots, L, H, D)            [:, s:s+P]           KTLHD
 MHA page_first_direct  (2, pages, L, P, H, D)         [:, s // P]          KLTHD
 MLA layer_first        (L, slots, 1, C)               [:, s:s+P, 0]        LTD
-MLA page_first         (slots, L, 1, C)               [s:s+P, :, 0] (T<->L) LTD
+MLA page_first         (slots, L, 1, C)               [s:s+P, :, 0]        TLD
 MLA page_first_direct  (pages, L, P, 1, C)            [s // P, :, :, 0]    LTD
 =====================  =============================  ==================  ==========
 
-Every view is a strided view into the pool (no copy): a store copies each page once,
-from the pool into its slab, and a load once, from the slab into the pool. SGLang's
+The chunk layout is part of the namespace: ``layer_first`` and ``page_first_direct``
+servers share pages, ``page_first`` servers share theirs, and no layout's bytes are
+ever read as another's. Every view is a strided view into the pool (no copy): a
+store copies each page once, from the pool into its slab, and a load once, from the
+slab into the pool. SGLang's
 *flat* pages (``get_data_page``/``get_dummy_flat_data_page``, its older API) hold the
-same page in the pool's own flat order; :meth:`PoolPages.flat` views them
-canonically too. Other layouts (``page_head``, ``page_unified``,
+same page in the pool's own flat order; :meth:`PoolPages.flat` views them in the
+chunk layout too. Other layouts (``page_head``, ``page_unified``,
 ``page_first_kv_split``), K and V of different head sizes, and pools without data are
 refused with an error that names what is supported.
 
@@ -78,8 +82,10 @@ class PoolPages:
         page_size, layers = int(pool.page_size), int(pool.layer_num)
         dtype = str(buffer.dtype).removeprefix("torch.")
         mla = hasattr(pool, "kv_cache_dim") and not hasattr(pool, "head_num")
+        token_major = layout == "page_first"
         if mla:
-            spec = KVSpec(layers, 1, int(pool.kv_cache_dim), dtype, layout="LTD")
+            chunk_layout = "TLD" if token_major else "LTD"
+            spec = KVSpec(layers, 1, int(pool.kv_cache_dim), dtype, layout=chunk_layout)
         else:
             head_dim, v_head_dim = (
                 int(pool.head_dim),
@@ -90,7 +96,8 @@ class PoolPages:
                     f"this {name} has K heads of {head_dim} and V heads of {v_head_dim}: "
                     "lmtier stores pages whose K and V have one head size"
                 )
-            spec = KVSpec(layers, int(pool.head_num), head_dim, dtype, layout="KLTHD")
+            chunk_layout = "KTLHD" if token_major else "KLTHD"
+            spec = KVSpec(layers, int(pool.head_num), head_dim, dtype, layout=chunk_layout)
         pages = cls(layout, page_size, mla, spec, buffer)
         if tuple(buffer.shape) != pages._shape():
             raise ConfigError(
@@ -125,18 +132,18 @@ class PoolPages:
         return self.spec.bytes_per_token * self.page_size
 
     def page(self, start: int) -> torch.Tensor:
-        """A canonical view of the page whose first token slot is ``start``."""
+        """A view of the page whose first token slot is ``start``, in the chunk layout."""
         buf, size = self.buffer, self.page_size
         if self.mla:
             if self.layout == "layer_first":
                 return buf[:, start : start + size, 0]
             if self.layout == "page_first":
-                return buf[start : start + size, :, 0].transpose(0, 1)
+                return buf[start : start + size, :, 0]
             return buf[start // size, :, :, 0]
         if self.layout == "layer_first":
             return buf[:, :, start : start + size]
         if self.layout == "page_first":
-            return buf[:, start : start + size].transpose(1, 2)
+            return buf[:, start : start + size]
         return buf[:, start // size]
 
     def new_flat(self) -> torch.Tensor:
@@ -145,8 +152,9 @@ class PoolPages:
         return torch.empty(self.page_bytes // self.buffer.element_size(), dtype=self.buffer.dtype)
 
     def flat(self, flat: torch.Tensor) -> torch.Tensor:
-        """A canonical view of ``flat``, one page in SGLang's flat order for this pool
-        (``get_data_page(flat=True)``); ValueError if it is not one."""
+        """A view of ``flat``, one page in SGLang's flat order for this pool
+        (``get_data_page(flat=True)``), in the chunk layout; ValueError if it is not
+        one."""
         spec, size = self.spec, self.page_size
         numel = self.page_bytes // self.buffer.element_size()
         if flat.dtype != self.buffer.dtype or flat.numel() != numel:
@@ -155,15 +163,7 @@ class PoolPages:
                 f"elements; got {flat.numel()} {flat.dtype}"
             )
         flat = flat.reshape(-1)
-        layers = spec.num_layers
-        if self.mla:
-            if self.layout == "page_first":
-                return flat.view(size, layers, spec.head_dim).transpose(0, 1)
-            return flat.view(layers, size, spec.head_dim)
-        shape = (spec.num_kv_heads, spec.head_dim)
-        if self.layout == "page_first":
-            return flat.view(2, size, layers, *shape).transpose(1, 2)
-        return flat.view(2, layers, size, *shape)
+        return flat.view(spec.shape(size))  # a flat page is in the pool's own order
 
     def starts(self, host_indices: torch.Tensor, count: int) -> list[int]:
         """The first token slot of each of ``count`` pages in ``host_indices`` (SGLang's

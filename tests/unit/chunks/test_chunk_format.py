@@ -154,7 +154,7 @@ def test_dtype_itemsizes_match_torch() -> None:
 
 
 def test_layouts_and_nbytes() -> None:
-    assert set(LAYOUTS) == {"LKTHD", "KLTHD", "LTD", "LBHSC", "LBSHC"}
+    assert set(LAYOUTS) == {"LKTHD", "KLTHD", "KTLHD", "LTD", "TLD", "LBHSC", "LBSHC"}
     assert {"LBHSC", "LBSHC"} == PAGED_LAYOUTS
     assert ChunkMeta(KEY, NS, "float16", (4, 16, 8, 16, 256), "LBHSC", 256).nbytes == 1 << 22
     meta = ChunkMeta(KEY, NS, "float32", (4, 2, 16, 8, 128), "LKTHD", 16)

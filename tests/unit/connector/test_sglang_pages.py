@@ -1,7 +1,8 @@
 """lmtier_connector.sglang.pages without SGLang: pools shaped as SGLang 0.5.23's
 (``kv_buffer`` per layout, as its pool_host/mha.py and mla.py allocate it), their
-pages viewed canonically (KLTHD for MHA, LTD for MLA), checked element by element
-against the pool's own indexing and against SGLang's flat page order."""
+pages viewed in the chunk layout of the pool's own order (KLTHD for MHA, LTD for MLA;
+KTLHD and TLD for page_first), checked element by element against the pool's own
+indexing and against SGLang's flat page order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmtier.errors import ConfigError
+from lmtier.kv_spec import layer_major
 from lmtier_connector.sglang.pages import LAYOUTS, PoolPages
 
 
@@ -106,30 +108,38 @@ class FakeMLA:
         return buf[start // P].flatten()
 
 
+CHUNK_LAYOUTS = {"layer_first": "KLTHD", "page_first": "KTLHD", "page_first_direct": "KLTHD"}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_mha_page_view_is_klthd_of_the_pools_own_elements(layout: str) -> None:
+def test_an_mha_page_view_holds_the_pools_own_elements_in_its_order(layout: str) -> None:
     pool = FakeMHA(layout)
     pages = PoolPages.of(pool)
-    assert pages.spec.layout == "KLTHD" and not pages.mla
+    assert pages.spec.layout == CHUNK_LAYOUTS[layout] and not pages.mla
     for start in (0, 16, 32):
         view = pages.page(start)
         assert tuple(view.shape) == pages.spec.shape(pool.page_size)
+        # a page is one run of K and one of V wherever the pool keeps a page together
+        assert (view[0].is_contiguous() and view[1].is_contiguous()) == (layout != "layer_first")
+        canonical = layer_major(view, pages.spec.layout)  # (L, K, T, H, D)
         for kv, layer, token, head, dim in [(0, 0, 0, 0, 0), (1, 1, 15, 1, 3), (1, 0, 7, 1, 2)]:
-            got = view[kv, layer, token, head, dim]
+            got = canonical[layer, kv, token, head, dim]
             assert got == pool.element(kv, layer, start + token, head, dim)
         assert torch.equal(pages.flat(pool.flat_page(start)), view)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_mla_page_view_is_ltd_of_the_pools_own_elements(layout: str) -> None:
+def test_an_mla_page_view_holds_the_pools_own_elements_in_its_order(layout: str) -> None:
     pool = FakeMLA(layout)
     pages = PoolPages.of(pool)
-    assert pages.spec.layout == "LTD" and pages.mla
+    assert pages.spec.layout == ("TLD" if layout == "page_first" else "LTD") and pages.mla
     for start in (0, 32):
         view = pages.page(start)
         assert tuple(view.shape) == pages.spec.shape(pool.page_size)
+        assert view.is_contiguous() == (layout != "layer_first")
+        canonical = layer_major(view, pages.spec.layout)  # (L, 1, T, 1, C)
         for layer, token, dim in [(0, 0, 0), (2, 15, 5), (1, 3, 4)]:
-            assert view[layer, token, dim] == pool.element(layer, start + token, dim)
+            assert canonical[layer, 0, token, 0, dim] == pool.element(layer, start + token, dim)
         assert torch.equal(pages.flat(pool.flat_page(start)), view)
 
 

@@ -54,8 +54,10 @@ def tokens_of_layer(layer: torch.Tensor, layout: str, slots: torch.Tensor) -> to
 def expected_chunk(pages: PagedKVCache, ids: list[int], num_tokens: int) -> torch.Tensor:
     slots = pages.slot_mapping(ids, num_tokens)
     per_layer = [tokens_of_layer(pages.layer(i), pages.layout, slots) for i in range(L)]
-    chunk = torch.stack(per_layer)
-    return chunk.transpose(0, 1) if pages.spec.layout == "KLTHD" else chunk
+    chunk = torch.stack(per_layer)  # (L, K, T, H, D), or (L, T, D) for MLA
+    order = {"KLTHD": (1, 0, 2, 3, 4), "KTLHD": (1, 2, 0, 3, 4), "TLD": (1, 0, 2)}
+    layout = pages.spec.layout
+    return chunk.permute(order[layout]) if layout in order else chunk
 
 
 def empty_chunk(spec: KVSpec, pages: PagedKVCache, num_tokens: int) -> torch.Tensor:
@@ -167,11 +169,12 @@ def test_chunk_of_the_wrong_shape_or_dtype_is_a_value_error() -> None:
         gather(pages, [1], torch.empty(L, 2, 4, H, D + 1, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("layout", ["KLTHD", "LTD"])
+@pytest.mark.parametrize("layout", ["KLTHD", "KTLHD", "LTD", "TLD"])
 def test_other_chunk_layouts_and_a_strided_out_tensor(layout: str) -> None:
-    spec = KVSpec(L, 1 if layout == "LTD" else H, D, "bfloat16", layout)
+    latent = layout in ("LTD", "TLD")
+    spec = KVSpec(L, 1 if latent else H, D, "bfloat16", layout)
     pages = PagedKVCache(spec, N, 4)
-    assert pages.layout == ("NSD" if layout == "LTD" else "KNSHD")
+    assert pages.layout == ("NSD" if latent else "KNSHD")
     randomize(whole(pages), 4)
     shape = spec.shape(10)
     wide = torch.empty(*shape[:-1], shape[-1] + 3, dtype=torch.bfloat16)

@@ -90,22 +90,39 @@ def test_pages_round_trip_bit_exact_through_the_zero_copy_path(
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_servers_with_different_host_layouts_share_pages(tmp_path: Path, kind: str) -> None:
-    """lmtier stores one canonical order: a page_first server's pages load into a
-    layer_first server's pool (and a page_first_direct one's) byte for byte."""
-    writer_pool = pool_of(kind, "page_first")
+@pytest.mark.parametrize(
+    ("written", "read", "shared"),
+    [
+        ("page_first_direct", "layer_first", True),  # both keep pages layer-major
+        ("layer_first", "page_first_direct", True),
+        ("page_first", "page_first", True),
+        ("page_first", "layer_first", False),  # token-major pages are keyed apart
+        ("layer_first", "page_first", False),
+    ],
+)
+def test_servers_whose_layouts_keep_one_page_order_share_pages(
+    tmp_path: Path, kind: str, written: str, read: str, shared: bool
+) -> None:
+    """Pages are stored in the order of the writer's pool: a server whose pool keeps
+    the same order loads them byte for byte (from disk: a new process's cache); one
+    whose pool keeps another order never finds them."""
+    writer_pool = pool_of(kind, written)
     keys = hashes(4)
-    with attached(storage_config(extra(tmp_path), mla=kind == "mla"), writer_pool) as writer:
+    config = storage_config(extra(tmp_path), mla=kind == "mla", layout=written)
+    with attached(config, writer_pool) as writer:
         indices, pages = fill_pages(writer_pool, 4, seed=2)
         assert all(writer.batch_set_v1(keys, indices))
-    for layout in ("layer_first", "page_first_direct"):
-        reader_pool = pool_of(kind, layout)
-        config = storage_config(extra(tmp_path), mla=kind == "mla", layout=layout)
-        with attached(config, reader_pool) as reader:  # a new process's cache: from disk
-            target = reader_pool.alloc(4 * reader_pool.page_size)
-            assert reader.batch_get_v1(keys, target) == [True] * 4
-            # each pool's flat pages are in its own layout's order: compare canonically
+    reader_pool = pool_of(kind, read)
+    config = storage_config(extra(tmp_path), mla=kind == "mla", layout=read)
+    with attached(config, reader_pool) as reader:
+        target = reader_pool.alloc(4 * reader_pool.page_size)
+        before = read_pages(reader_pool, target)
+        assert reader.batch_exists(keys) == (4 if shared else 0)
+        assert reader.batch_get_v1(keys, target) == [shared] * 4
+        if shared:  # each pool's flat pages are in its own layout's order
             assert_same_kv(reader_pool, read_pages(reader_pool, target), writer_pool, pages)
+        else:
+            assert_equal_pages(read_pages(reader_pool, target), before)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -61,11 +61,13 @@ def redis_extra(server: RedisServer) -> dict[str, Any]:
 
 def test_two_servers_share_pages_through_redis(redis: RedisServer) -> None:
     keys = hashes(8)
-    writer_pool = mha_pool("page_first")
-    with attached(make_config(redis_extra(redis)), writer_pool) as writer:
+    writer_pool = mha_pool("page_first_direct")
+    config = make_config(redis_extra(redis), layout="page_first_direct")
+    with attached(config, writer_pool) as writer:
         indices, pages = fill_pages(writer_pool, 8, seed=1)
         assert writer.batch_set_v1(keys, indices) == [True] * 8
-    # closed: its writes landed in Redis. A second server, its CPU tier empty.
+    # closed: its writes landed in Redis. A second server, its CPU tier empty, whose
+    # pool keeps the same page order in another layout.
     reader_pool = mha_pool("layer_first")
     with attached(make_config(redis_extra(redis), layout="layer_first"), reader_pool) as reader:
         assert reader.batch_exists(keys) == 8
