@@ -80,19 +80,20 @@ def median_s(fn: Callable[[], object], repeats: int) -> float:
 def paired_median_s(
     baseline: Callable[[], object], measured: Callable[[], object], repeats: int
 ) -> tuple[float, float]:
-    """Median wall times of ``baseline()`` and ``measured()``, run alternately (after one
-    untimed warm-up each), so that a noisy machine slows both alike: their ratio is the
-    figure to read. Which runs first alternates too: what one leaves behind (torch's
-    idle OpenMP threads spin for a while after a parallel region, taking the cores
-    from whatever comes next: 3.2 against 4.1 ms for a load's copy run alone and run
-    after a torch ``copy_``) must not always fall on the same side."""
-    baseline()
-    measured()
+    """Median wall times of ``baseline()`` and ``measured()``, run alternately, so that a
+    noisy machine slows both alike: their ratio is the figure to read. Which runs first
+    alternates too, and each timed call follows an untimed call of its own: what one
+    leaves behind must fall on neither. (torch's idle OpenMP threads spin for some
+    milliseconds after a parallel region, taking a core from whatever runs next: on 2
+    cores a 128 MiB copy through lmtier's threads ran 10 ms alone and 13-16 ms right
+    after a torch ``copy_``; the other way, a torch copy runs faster right after
+    another, its threads still awake.)"""
     first: list[float] = []
     second: list[float] = []
     for round_ in range(repeats):
         pairs = ((baseline, first), (measured, second))
         for fn, samples in pairs if round_ % 2 == 0 else pairs[::-1]:
+            fn()  # untimed: the timed call below follows one of its own kind
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
