@@ -327,7 +327,7 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     # ---- moving pages ----------------------------------------------------------------
 
     def _load(self, keys: Sequence[str], places: Sequence[torch.Tensor]) -> int:
-        """Copy the leading pages some tier holds into ``places`` (canonical views);
+        """Copy the leading pages some tier holds into ``places`` (chunk-layout views);
         how many. One shared copy for the whole batch (:meth:`lmtier.LoadResult.copy_to`)."""
         cache = self._ready()[0]
         started = time.perf_counter()
