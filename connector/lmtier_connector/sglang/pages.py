@@ -162,7 +162,8 @@ class PoolPages:
                 f"a flat page of this pool holds {numel} {self.buffer.dtype} "
                 f"elements; got {flat.numel()} {flat.dtype}"
             )
-        flat = flat.reshape(-1)
+        if not flat.is_contiguous():  # a load into a reshaped copy would be lost
+            raise ValueError("a flat page must be one contiguous tensor")
         return flat.view(spec.shape(size))  # a flat page is in the pool's own order
 
     def starts(self, host_indices: torch.Tensor, count: int) -> list[int]:

@@ -192,10 +192,15 @@ def test_pools_lmtier_cannot_store_are_refused_naming_what_it_can() -> None:
         PoolPages.of(wrong)
 
 
-def test_a_flat_page_of_the_wrong_size_or_dtype_is_refused() -> None:
+def test_a_flat_page_of_the_wrong_size_dtype_or_strides_is_refused() -> None:
     pages = PoolPages.of(FakeMHA("layer_first"))
     with pytest.raises(ValueError, match="flat page"):
         pages.flat(torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="flat page"):
         pages.flat(torch.zeros(2 * 2 * 16 * 2 * 4, dtype=torch.float32))
-    assert pages.new_flat().numel() == 2 * 2 * 16 * 2 * 4
+    numel = 2 * 2 * 16 * 2 * 4
+    with pytest.raises(ValueError, match="contiguous"):  # a load would land in a copy
+        pages.flat(torch.zeros(2 * numel, dtype=torch.bfloat16)[::2])
+    two_rows = torch.zeros(numel, dtype=torch.bfloat16).view(2, -1)  # any contiguous shape
+    assert pages.flat(two_rows).shape == (2, 2, 16, 2, 4)
+    assert pages.new_flat().numel() == numel
