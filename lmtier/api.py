@@ -46,7 +46,7 @@ from lmtier.chunks.vllm_hash import engine_names
 from lmtier.config import LMTierConfig, load_config
 from lmtier.errors import CacheClosedError, ConfigError, InvalidRequestError
 from lmtier.kv_spec import ChunkFramer, KVSource, KVSpec, frame_slab
-from lmtier.namespaces import Namespaces
+from lmtier.namespaces import Namespaces, model_namespace
 from lmtier.results import CacheLookup, HostMemory, LoadResult, caller
 from lmtier.storage.host_pool import SlabHandle
 from lmtier.storage.lookup import Lookup
@@ -105,19 +105,13 @@ class LMTier:
         self.kv_spec = kv
         self.chunk_size = config.chunk_size
         self.vocab_size = vocab_size
-        base = Namespace(
+        base = model_namespace(
+            kv,
+            config.chunk_size,
             model_id=model_id,
             model_revision=model_revision,
-            kv_dtype=kv.dtype,
-            kv_layout=kv.layout,
-            num_layers=kv.num_layers,
-            num_kv_heads=kv.num_kv_heads,
-            head_dim=kv.head_dim,
-            chunk_size=config.chunk_size,
             tp_size=tp_size,
             tp_rank=tp_rank,
-            kv_block_size=kv.block_size,
-            kv_page_interior=kv.page_interior,
         )
         self._namespaces = Namespaces(base)
         self._layout = StoreLayout(
@@ -170,11 +164,10 @@ class LMTier:
 
     def check(self, cache_salt: str = "") -> LMTier:
         """Raise now why ``namespace(cache_salt)`` cannot be served, logging nothing: for
-        a sidecar's client BackendUnavailable (it did not answer), AuthenticationError
-        (it refused the token), PermissionDeniedError (the token does not cover that
-        namespace); an embedded cache always can. For tools that must not take "no
-        sidecar" for "nothing cached" (:mod:`lmtier.ops.caches`); an engine just calls,
-        and misses meanwhile."""
+        a sidecar's client BackendUnavailable (no answer), AuthenticationError (token
+        refused), PermissionDeniedError (token does not cover it); an embedded cache
+        always can. For tools that must not take "no sidecar" for "nothing cached"
+        (:mod:`lmtier.ops.caches`); an engine just calls, and misses meanwhile."""
         self._require().check(self.namespace(cache_salt))
         return self
 
@@ -364,10 +357,17 @@ class LMTier:
         """:meth:`store_keys` with chunk ``i`` of ``keys`` in ``pages[i]``, shaped
         ``kv_spec.shape(chunk_size)``, of the spec's dtype, any strides (a view into
         an engine's host pool, whose pages lie wherever its allocator put them)."""
-        keys = checked_keys(keys)
         if skip is not None:
             require_int("skip", skip)
-        return store_pages(self._require(), self._layout, keys, pages, skip)
+        return store_pages(self._require(), self._layout, checked_keys(keys), pages, skip)[1]
+
+    def hold_pages(self, keys: Sequence[ChunkKey], pages: Sequence[torch.Tensor]) -> int:
+        """:meth:`store_pages` of the chunks the local tiers (a sidecar's: asked with its
+        slabs) lack; how many leading chunks of ``keys`` the cache holds then, as an
+        engine's storage backend answers (SGLang's HiCache). A chunk only a remote tier
+        holds is stored again: a copy, not a remote round trip on every call."""
+        held, stored = store_pages(self._require(), self._layout, checked_keys(keys), pages, None)
+        return held + stored
 
     def _store_keys(self, keys: Sequence[ChunkKey], kv: KVSource, skip: int | None) -> int:
         store = self._require()

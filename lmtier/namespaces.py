@@ -1,4 +1,5 @@
-"""The namespaces of one model's cache, by tenant: :class:`Namespaces`.
+"""The namespaces of one model's cache, by tenant: :class:`Namespaces`, and the
+namespace of a model's chunks in one geometry: :func:`model_namespace`.
 
 A chunk key starts with its namespace's digest (:mod:`lmtier.chunks.keys`); a store
 that opens sessions per namespace (a sidecar's client) must find the whole namespace
@@ -10,15 +11,49 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from lmtier.chunks.keys import Namespace
 from lmtier.errors import InvalidRequestError
 
-__all__ = ["NAMESPACE_CACHE", "Namespaces"]
+if TYPE_CHECKING:
+    from lmtier.kv_spec import KVSpec
+
+__all__ = ["NAMESPACE_CACHE", "Namespaces", "model_namespace"]
 
 NAMESPACE_CACHE = 1024
 """Tenants (``cache_salt`` values) whose namespace is kept ready; others are rebuilt
 (~3 us) when they come back. A bound: one entry per tenant forever grew without end."""
+
+
+def model_namespace(
+    spec: KVSpec,
+    chunk_size: int,
+    *,
+    model_id: str,
+    model_revision: str,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    cache_salt: str = "",
+) -> Namespace:
+    """The namespace of ``model_id``'s chunks of ``chunk_size`` tokens in ``spec``'s
+    geometry, dtype and layout, on TP rank ``tp_rank`` of ``tp_size``: what an embedded
+    cache and a sidecar's session both key them under."""
+    return Namespace(
+        model_id=model_id,
+        model_revision=model_revision,
+        kv_dtype=spec.dtype,
+        kv_layout=spec.layout,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        chunk_size=chunk_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        cache_salt=cache_salt,
+        kv_block_size=spec.block_size,
+        kv_page_interior=spec.page_interior,
+    )
 
 
 class Namespaces:

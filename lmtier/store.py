@@ -47,9 +47,10 @@ class Reserved:
     called in order, in the store's thread). Every slab ends up taken or released:
     :meth:`release`, which the store calls once it has handed over its last chunk,
     waits for what is still coming, so no lease is left unanswered, and then calls
-    ``done``."""
+    ``done``. ``refused``: the cache takes nothing now (a sidecar that does not
+    answer): the store stores nothing, and asks for no slab."""
 
-    __slots__ = ("_coming", "_done", "_ready")
+    __slots__ = ("_coming", "_done", "_ready", "refused")
 
     def __init__(
         self,
@@ -57,10 +58,12 @@ class Reserved:
         coming: Iterable[Callable[[], list[SlabHandle]]] = (),
         *,
         done: Callable[[], None] | None = None,
+        refused: bool = False,
     ) -> None:
         self._ready = list(ready)
         self._coming = deque(coming)
         self._done = done
+        self.refused = refused
 
     def take(self, count: int) -> list[SlabHandle]:
         """Up to ``count`` slabs (fewer when the reservation runs out)."""

@@ -9,7 +9,8 @@ share it:
   :class:`~lmtier.store.Reserved` slabs for (up to ``count`` of) the rest, or none. Embedded: a
   lookup of the local tiers; a sidecar client: an AcquireSlabs round trip that
   answers both for the first batch, and one more for the rest whose answer comes
-  while the first batch is copied.
+  while the first batch is copied. A reservation ``refused`` (a sidecar that does not
+  answer) stores nothing.
 * ``acquire_slabs(n)``: more slabs when the reserved ones run out (the hand-overs
   so far are settled first: their slabs may be what frees room).
 * ``hand_over(encoded)``: give filled slabs to the cache; returns a function that
@@ -50,7 +51,7 @@ def store_chunks(
             f"kv covers {covered} tokens; the {len(keys)} full chunks of these tokens "
             f"need {len(keys) * size}"
         )
-    return _store_each(store, layout, keys, lambda i: narrow_kv(kv, spec, i * size, size), skip)
+    return _store_each(store, layout, keys, lambda i: narrow_kv(kv, spec, i * size, size), skip)[1]
 
 
 def store_pages(
@@ -59,9 +60,10 @@ def store_pages(
     keys: Sequence[ChunkKey],
     pages: Sequence[torch.Tensor],
     skip: int | None,
-) -> int:
+) -> tuple[int, int]:
     """:meth:`lmtier.LMTier.store_pages`: each of ``pages`` checked to be one chunk's
-    KV (InvalidKVError naming the first that is not), then stored as chunk ``i``."""
+    KV (InvalidKVError naming the first that is not), then stored as chunk ``i``. How
+    many leading chunks were held already, and how many of the rest were stored."""
     if len(pages) != len(keys):
         raise InvalidKVError(f"got {len(pages)} pages for {len(keys)} keys")
     for at, page in enumerate(pages):
@@ -79,10 +81,13 @@ def _store_each(
     keys: Sequence[ChunkKey],
     chunk_kv: Callable[[int], KVSource],
     skip: int | None,
-) -> int:
+) -> tuple[int, int]:
     """:func:`store_chunks` with chunk ``i``'s KV from ``chunk_kv(i)`` (one chunk's KV,
-    already checked: :meth:`lmtier.LMTier.store_pages`)."""
+    already checked: :meth:`lmtier.LMTier.store_pages`): how many leading chunks were
+    held already (``skip`` when given), and how many of the rest were stored."""
     present, reserved = store.reserve(keys, skip, max(0, len(keys) - (skip or 0)))
+    if reserved.refused:
+        return present, 0
     framer, step, ctime = layout.framer, store.store_batch, time.time()
     waits: list[Callable[[], int]] = []
     stored = 0
@@ -131,4 +136,4 @@ def _store_each(
             reserved.release()  # reserved for chunks not stored after all
         finally:
             settle()  # on errors too: every copied chunk's slab is handed over
-    return stored
+    return present, stored

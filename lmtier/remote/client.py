@@ -317,8 +317,8 @@ class SidecarStore:
                 self._sending.end()
                 raise
             return present, Reserved(slabs, done=self._sending.end)
-        except SidecarUnavailable:
-            return len(keys), Reserved()  # nothing can be stored now: skip it all
+        except SidecarUnavailable:  # nothing can be stored now, and nothing is known held
+            return (skip or 0), Reserved(refused=True)
 
     def _acquire(
         self, connection: Connection, session: ClientSession, count: int

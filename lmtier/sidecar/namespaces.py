@@ -20,6 +20,7 @@ from lmtier.chunks.keys import KEY_BYTES, NAMESPACE_BYTES, ChunkKey, Namespace
 from lmtier.config import chunk_size_problem
 from lmtier.errors import CorruptChunk, InvalidRequestError, brief
 from lmtier.kv_spec import ChunkFramer, KVSpec
+from lmtier.namespaces import model_namespace
 from lmtier.storage.check import ChunkCheck
 from lmtier.v1 import sidecar_pb2 as pb
 
@@ -116,20 +117,14 @@ class SessionSpace:
             raise InvalidRequestError(
                 f"namespace: a chunk would hold {payload} bytes of KV; at most {MAX_CHUNK_PAYLOAD}"
             )
-        namespace = Namespace(
+        namespace = model_namespace(
+            spec,
+            message.chunk_size,
             model_id=message.model_id,
             model_revision=message.model_revision,
-            kv_dtype=spec.dtype,
-            kv_layout=spec.layout,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            chunk_size=message.chunk_size,
             tp_size=tp_size,
             tp_rank=message.tp_rank,
             cache_salt=message.cache_salt,
-            kv_block_size=spec.block_size,
-            kv_page_interior=spec.page_interior,
         )
         return cls(namespace, spec, message.chunk_size)
 

@@ -88,10 +88,15 @@ class RecordingStore:
         self._log("load", list(keys), lookup)
         return []
 
+    refuse = False
+    """Answer every reservation refused, as a sidecar's client does when it is down."""
+
     def reserve(
         self, keys: Sequence[ChunkKey], skip: int | None, count: int
     ) -> tuple[int, Reserved]:
         self._log("reserve", list(keys), skip, count)
+        if self.refuse:
+            return (skip or 0), Reserved(refused=True)
         present = skip if skip is not None else self.lookup(keys, local_only=True).num_chunks
         return present, Reserved()
 
@@ -189,6 +194,26 @@ def test_a_facade_over_any_store_stores_through_reserve_acquire_and_hand_over() 
         assert store.names()[before:] == ["reserve", "lookup"]
         assert cache.lookup(tokens).num_tokens == 5 * CHUNK
     assert store.names()[-1] == "close"
+
+
+def test_a_refused_reservation_stores_nothing_and_claims_nothing_held() -> None:
+    store = RecordingStore()
+    with LMTier(config(), SPEC, store=store, model_id="m") as cache:
+        tokens = list(range(3 * CHUNK))
+        kv = torch.randn(SPEC.shape(len(tokens)))
+        keys = cache.keys(tokens)
+        pages = [SPEC.narrow_tokens(kv, at * CHUNK, CHUNK) for at in range(3)]
+        store.refuse = True
+        before = len(store.calls)
+        assert cache.store(tokens, kv) == 0
+        assert cache.hold_pages(keys, pages) == 0  # a cache that did not answer holds none
+        assert cache.store_pages(keys, pages, skip=1) == 0
+        assert store.names()[before:] == ["reserve"] * 3  # no slab asked for, none handed
+        assert store.held == {}
+        store.refuse = False
+        assert cache.hold_pages(keys, pages) == 3
+        assert cache.hold_pages(keys, pages) == 3  # held now: stored once
+        assert store.names().count("hand_over") == 2  # batches of 2 + 1
 
 
 def test_bad_arguments_never_reach_the_store() -> None:

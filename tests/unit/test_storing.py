@@ -146,6 +146,40 @@ def test_a_copy_that_fails_mid_store_hands_over_the_batches_before_and_leaks_no_
         assert memory.slabs_in_use == memory.cached_chunks == 2 * step
 
 
+def test_hold_pages_stores_what_the_cache_lacks_and_says_what_it_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hold_pages answers how many leading chunks are held after the call (held before
+    or stored now), stores only the chunks the local tiers lack, and asks no lookup of
+    its own (the store's reservation answers what is held)."""
+    with embedded(64) as cache:
+        keys = cache.keys(list(range(4 * CHUNK)))
+        whole = torch.randn(SPEC.shape(4 * CHUNK))
+        pages = [SPEC.narrow_tokens(whole, at * CHUNK, CHUNK) for at in range(4)]
+        assert cache.store_pages(keys[:2], pages[:2]) == 2
+
+        def no_lookup(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("hold_pages made a lookup of its own")
+
+        monkeypatch.setattr(cache.chunk_store, "lookup", no_lookup)
+        copied: list[int] = []
+        write_many = ChunkFramer.write_many
+
+        def counting(self: ChunkFramer, chunks: Any, *args: Any, **kwargs: Any) -> Any:
+            copied.append(len(chunks))
+            return write_many(self, chunks, *args, **kwargs)
+
+        monkeypatch.setattr(ChunkFramer, "write_many", counting)
+        assert cache.hold_pages(keys, pages) == 4
+        assert copied == [2]  # the two held already were not copied again
+        assert cache.hold_pages(keys, pages) == 4
+        assert copied == [2]  # all held: nothing copied
+        with cache.load_keys(keys) as hit:
+            assert torch.equal(hit.kv(), whole)
+        with pytest.raises(InvalidKVError, match="got 3 pages for 4 keys"):
+            cache.hold_pages(cache.keys(list(range(100, 100 + 4 * CHUNK))), pages[:3])
+
+
 def test_store_pages_takes_each_chunk_from_a_tensor_of_its_own() -> None:
     with embedded(64) as cache:
         keys = cache.keys(list(range(3 * CHUNK)))

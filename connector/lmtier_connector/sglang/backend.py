@@ -337,15 +337,14 @@ class LMTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         return count
 
     def _store(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> int:
-        """Store the pages not held yet (one lookup of every tier first: a page another
-        server wrote is not written again); how many leading pages lmtier holds now."""
+        """Store the pages the local tiers do not hold (:meth:`lmtier.LMTier.hold_pages`:
+        no lookup round trip of its own; SGLang backs up pages it computed, which it
+        did not find here); how many leading pages lmtier holds now."""
         cache = self._ready()[0]
         started = time.perf_counter()
-        chunk_keys = self.keys_of(keys)
-        held = cache.lookup_keys(chunk_keys).num_chunks
-        stored = cache.store_pages(chunk_keys, list(pages), skip=held) if held < len(keys) else 0
-        self._record("backup", len(keys) - held, time.perf_counter() - started)
-        return held + stored
+        held = cache.hold_pages(self.keys_of(keys), list(pages))
+        self._record("backup", held, time.perf_counter() - started)
+        return held
 
     @staticmethod
     def _loaded(total: int, count: int) -> list[bool]:
