@@ -408,9 +408,9 @@ class ChunkFramer:
         for at, (handle, _, kv) in enumerate(chunks):
             own = _kv_pairs(self.payload(handle), meta, kv)
             pairs += own
-            if seal:
-                done = _Countdown(len(own), functools.partial(_hash, sums, at, handle, start, end))
-                then += [done] * len(own)
+            if seal:  # one tensor: one pair, its hash runs as it is copied, no countdown
+                done = functools.partial(_hash, sums, at, handle, start, end)
+                then += [done] if len(own) == 1 else [_Countdown(len(own), done)] * len(own)
         copy_many(pairs, then)
         frame = self.template.frame_into
         return [

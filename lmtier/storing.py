@@ -89,6 +89,7 @@ def _store_each(
     if reserved.refused:
         return present, 0
     framer, step, ctime = layout.framer, store.store_batch, time.time()
+    seal = store.seal_on_copy  # asked once a store, not once a batch
     waits: list[Callable[[], int]] = []
     stored = 0
 
@@ -119,7 +120,7 @@ def _store_each(
                 ]
                 # The batch's copies: one shared copy (each chunk hashed after its copy
                 # where the store writes it down at once).
-                sizes = framer.write_many(chunks, ctime, seal=store.seal_on_copy)
+                sizes = framer.write_many(chunks, ctime, seal=seal)
                 encoded: Encoded = [
                     (key, handle, length)
                     for (handle, key, _), length in zip(chunks, sizes, strict=True)

@@ -184,6 +184,23 @@ def test_a_store_with_a_write_through_tier_seals_as_it_copies(tmp_path: Path) ->
         assert decode(memoryview(path.read_bytes())).sealed  # decode verifies the checksum
 
 
+def test_per_layer_pairs_are_sealed_once_every_pair_of_a_chunk_is_copied(
+    tmp_path: Path,
+) -> None:
+    """A chunk stored from per-layer (K, V) pairs is several copies: its hash runs after
+    the last of them, so the checksum covers every layer's bytes."""
+    prompt, kv = list(range(3 * CHUNK)), kv_of(3)
+    pairs = [(kv[layer, 0], kv[layer, 1]) for layer in range(SPEC.num_layers)]
+    with LMTier.open(_disk_config(tmp_path), kv=SPEC, model_id="m") as cache:
+        assert cache.store(prompt, pairs) == 3
+        cache.flush()
+        assert cache._store.manager.writes.sealer.sealed == 0  # type: ignore[attr-defined]
+    files = sorted(tmp_path.rglob(f"*{CHUNK_SUFFIX}"))
+    assert len(files) == 3
+    for path in files:
+        assert decode(memoryview(path.read_bytes())).sealed  # decode verifies the checksum
+
+
 def test_with_an_integrity_key_the_store_leaves_the_seal_to_the_writer(tmp_path: Path) -> None:
     """A MAC costs ~20x the copy: not on the storing thread. The writer seals (checksum
     and MAC) before the disk gets a byte, as without a write-through tier."""
